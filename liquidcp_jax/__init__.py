@@ -1,0 +1,24 @@
+"""liquidcp_jax: context-parallel attention for JAX (LiquidCP: MegaRing, BuddyRing, MegaDCP).
+
+Public API::
+
+    import liquidcp_jax as lcp
+    plan = lcp.plan_megaring(lengths, mesh, axis_name="cp", placement="buddyring")
+    o_cp = lcp.megaring_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
+"""
+from liquidcp_jax import planning, reference, state
+from liquidcp_jax.megaring import (MegaRingPlan, megaring_attention, megaring_attention_with_lse,
+                                   plan_megaring)
+
+__version__ = "0.1.0"
+
+__all__ = ["MegaRingPlan", "megaring_attention", "megaring_attention_with_lse", "plan_megaring",
+           "planning", "reference", "state", "nn"]
+
+
+def __getattr__(name):
+    # Flax is imported only by users of the NNX modules.
+    if name == "nn":
+        import importlib
+        return importlib.import_module("liquidcp_jax.nn")
+    raise AttributeError(name)

@@ -1,0 +1,1 @@
+"""Executors run MegaRing / MegaDCP task tables: ``xla`` (portable) and ``pallas`` (Mosaic GPU)."""

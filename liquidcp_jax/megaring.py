@@ -1,0 +1,325 @@
+"""MegaRing: context-parallel attention for training and full prefill (paper §4).
+
+``plan_megaring`` (host side) places sequences in aligned CP groups, lays them
+out zigzag and builds the task tables; ``megaring_attention`` runs them under
+``jit`` / ``jax.shard_map`` with a ``jax.custom_vjp`` (backward per §4.1).
+
+    plan = lcp.plan_megaring(lengths, mesh, axis_name="cp", placement="buddyring")
+    q_cp, k_cp, v_cp = plan.shard(q), plan.shard(k), plan.shard(v)
+    o = plan.unshard(lcp.megaring_attention(q_cp, k_cp, v_cp, plan))
+
+A plan is a pytree whose leaves are its fixed-capacity int32 tables: pass it
+as an argument of your jitted step and batches that land in the same capacity
+bucket reuse one compiled program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from liquidcp_jax import planning
+from liquidcp_jax._checks import check_qkv
+from liquidcp_jax.executors import xla as xla_exec
+from liquidcp_jax.layout import build_layout
+from liquidcp_jax.planning.megaring_tables import MegaRingTables, SequenceInfo, build_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStatic:
+    """The hashable part of a plan: what a compiled program depends on."""
+
+    mesh: Mesh
+    axis_name: str
+    num_devices: int
+    tile_size: int
+    section_sizes: tuple[int, ...]
+    section_tiles: tuple[int, ...]
+    task_tiles: int
+    causal: bool
+    num_tokens: int
+
+    @property
+    def local_capacity(self) -> int:
+        """Tokens per device in the CP layout."""
+        return sum(self.section_tiles) * self.tile_size
+
+    def exec_spec(self, scale: float) -> xla_exec.ExecSpec:
+        return xla_exec.ExecSpec(self.axis_name, self.num_devices, self.tile_size, self.section_sizes,
+                                 self.section_tiles, self.task_tiles, self.causal, float(scale))
+
+
+@jax.tree_util.register_pytree_node_class
+class MegaRingPlan:
+    """A MegaRing plan: static signature + task tables (+ host-only facts).
+
+    Attributes:
+      static: ``PlanStatic`` (mesh, axis, tile size, section capacities, ...).
+      tables: ``MegaRingTables`` of int32 arrays with leading dim ``N`` (devices).
+      shard_src: ``[N * capacity]`` int32 packed-token index feeding each CP slot (``T`` = padding).
+      unshard_src: ``[T]`` int32 CP slot of each packed token.
+      placement: the ``planning.Placement`` (host only; ``None`` inside ``jit``).
+      sequences: ``SequenceInfo`` with per-sequence chunk sizes and ``tau_min`` / ``tau_max`` (host only).
+    """
+
+    def __init__(self, static: PlanStatic, tables: MegaRingTables, shard_src, unshard_src,
+                 placement=None, sequences: SequenceInfo | None = None):
+        self.static = static
+        self.tables = tables
+        self.shard_src = shard_src
+        self.unshard_src = unshard_src
+        self.placement = placement
+        self.sequences = sequences
+
+    def tree_flatten(self):
+        return (self.tables.arrays() + (self.shard_src, self.unshard_src)), self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, leaves):
+        *tb, shard_src, unshard_src = leaves
+        return cls(static, MegaRingTables(*tb), shard_src, unshard_src)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.static.mesh
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """Sharding of CP-layout arrays ``[N * capacity, H, D]``."""
+        return NamedSharding(self.static.mesh, P(self.static.axis_name))
+
+    @property
+    def cp_tokens(self) -> int:
+        return self.static.num_devices * self.static.local_capacity
+
+    def shard(self, x: jax.Array) -> jax.Array:
+        """Packed ``[T, H, D]`` -> CP layout ``[N * capacity, H, D]`` sharded over the CP axis (padding = 0)."""
+        if getattr(x, "ndim", None) != 3 or x.shape[0] != self.static.num_tokens:
+            raise ValueError(f"x must have shape [T={self.static.num_tokens}, H, D] (the plan's lengths sum "
+                             f"to {self.static.num_tokens}); got {getattr(x, 'shape', None)}")
+        xp = jnp.concatenate([jnp.asarray(x), jnp.zeros((1,) + x.shape[1:], x.dtype)])
+        return _constrain(xp[jnp.asarray(self.shard_src)], self.sharding)
+
+    def unshard(self, y: jax.Array) -> jax.Array:
+        """CP layout ``[N * capacity, H, D]`` -> packed ``[T, H, D]``."""
+        if getattr(y, "ndim", None) != 3 or y.shape[0] != self.cp_tokens:
+            raise ValueError(f"y must have shape [{self.cp_tokens}, H, D] (the plan's CP layout); "
+                             f"got {getattr(y, 'shape', None)}")
+        y = _constrain(jnp.asarray(y), NamedSharding(self.static.mesh, P()))
+        return y[jnp.asarray(self.unshard_src)]
+
+    def local_loads(self) -> dict[str, np.ndarray]:
+        """Host: per-device ``tokens`` and causal ``attention`` work (valid (q, k) pairs)."""
+        tb = self.tables
+        tokens = np.asarray(tb.tile_valid).sum(axis=1)
+        B = self.static.tile_size
+        work = np.zeros(self.static.num_devices, np.int64)
+        kind = np.asarray(tb.bwd_kind)
+        val = np.asarray(tb.bwd_kv_valid)
+        q = np.asarray(tb.bwd_q_tile)
+        qv = np.take_along_axis(np.asarray(tb.tile_valid)[:, None, :].repeat(q.shape[1], 1),
+                                np.maximum(q, 0), axis=2)
+        full = (kind == 1) * qv * val
+        diag = (kind == 2) * (qv * (qv + 1) // 2)
+        work = (full + diag).reshape(self.static.num_devices, -1).sum(1)
+        del B
+        return {"tokens": tokens, "attention": work}
+
+    def __repr__(self):
+        s = self.static
+        return (f"MegaRingPlan(devices={s.num_devices}, tokens={s.num_tokens}, capacity={s.local_capacity}/device, "
+                f"sections={dict(zip(s.section_sizes, s.section_tiles))} tiles, tile={s.tile_size}, "
+                f"causal={s.causal})")
+
+
+def _constrain(x, sharding: NamedSharding):
+    # Explicit-axis meshes (jax.make_mesh's default) move data with reshard; Auto ones take a constraint.
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    if explicit:
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _resolve_placement(placement, lengths, num_devices) -> planning.Placement:
+    if isinstance(placement, planning.Placement):
+        if tuple(placement.lengths) != tuple(lengths):
+            raise ValueError("placement.lengths must equal lengths")
+        if placement.num_devices != num_devices:
+            raise ValueError(f"placement.num_devices={placement.num_devices}; expected {num_devices} "
+                             f"(the size of the CP mesh axis)")
+        return placement
+    if placement == "all_cp":
+        return planning.all_cp(lengths, num_devices)
+    if placement == "buddyring":
+        fn = getattr(planning, "buddyring", None)
+        if fn is None:
+            raise ValueError('placement="buddyring" is not available in this build; use "all_cp" or a '
+                             'planning.Placement')
+        return fn(lengths, num_devices)
+    raise ValueError(f'placement must be "all_cp", "buddyring" or a planning.Placement; got {placement!r}')
+
+
+def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "buddyring", *,
+                  causal: bool = True, tile_size: int = 128, task_tiles: int = 8,
+                  capacity: dict[str, Any] | None = None) -> MegaRingPlan:
+    """Plans a packed batch for MegaRing (host side, NumPy).
+
+    Args:
+      lengths: ``(S,)`` sequence lengths of the packed batch (any positive ints).
+      mesh: the device mesh; ``axis_name`` is its CP axis (size ``N``, a power of two).
+      placement: ``"buddyring"``, ``"all_cp"`` or a ``planning.Placement``.
+      causal: the attention mask the tables are built for.
+      tile_size: ``B``, tokens per tile (zigzag chunks are whole tiles).
+      task_tiles: ``M``, the most KV tiles one forward task coalesces (the
+        executor's cap on ``tau_max = 4H``; ``tau_min = H/2`` is capped by it too).
+      capacity: optional floors ``{"sections": {g: tiles}, "fwd_tasks": K, "bwd_pairs": P}``
+        to pin a capacity bucket across batches.
+    Returns:
+      a ``MegaRingPlan``.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; expected one of "
+                         f"{tuple(mesh.shape)}")
+    lengths = planning.validate_lengths(lengths)
+    N = int(mesh.shape[axis_name])
+    if tile_size < 1 or tile_size % 8:
+        raise ValueError(f"tile_size must be a positive multiple of 8; got {tile_size}")
+    if task_tiles < 1:
+        raise ValueError(f"task_tiles must be >= 1; got {task_tiles}")
+    pl = _resolve_placement(placement, lengths, N)
+    capacity = capacity or {}
+    layout = build_layout(lengths, pl.starts, pl.sizes, N, tile_size, capacity.get("sections"))
+    tables, seqinfo, _slots, _caps = build_tables(layout, pl.starts, pl.sizes, lengths, causal=causal,
+                                                  task_tiles=task_tiles, min_caps=capacity)
+    static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
+                        int(task_tiles), bool(causal), int(sum(lengths)))
+    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, pl, seqinfo)
+
+
+# ----------------------------------------------------------------------------- the op
+
+def _local(fn, static: PlanStatic, n_in: int, n_out: int):
+    ax = static.axis_name
+    return jax.shard_map(fn, mesh=static.mesh, in_specs=(P(ax),) * n_in, out_specs=(P(ax),) * n_out,
+                         check_vma=False)
+
+
+def _forward(q, k, v, tables, static: PlanStatic, scale: float):
+    spec = static.exec_spec(scale)
+
+    def f(q, k, v, *tb):
+        return xla_exec.forward(q, k, v, [x[0] for x in tb], spec)
+
+    return _local(f, static, 3 + len(tables), 2)(q, k, v, *tables)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _megaring_xla(q, k, v, tables, static, scale):
+    return _forward(q, k, v, tables, static, scale)
+
+
+def _megaring_xla_fwd(q, k, v, tables, static, scale):
+    out, lse = _forward(q, k, v, tables, static, scale)
+    return (out, lse), (q, k, v, tables, out, lse)
+
+
+def _megaring_xla_bwd(static, scale, res, cts):
+    q, k, v, tables, out, lse = res
+    dout, dlse = cts
+    spec = static.exec_spec(scale)
+
+    def f(q, k, v, out, lse, dout, dlse, *tb):
+        return xla_exec.backward(q, k, v, out, lse, dout, dlse, [x[0] for x in tb], spec)
+
+    dq, dk, dv = _local(f, static, 7 + len(tables), 3)(q, k, v, out, lse, dout, dlse, *tables)
+    return dq, dk, dv, jax.tree.map(lambda _: None, tables)
+
+
+_megaring_xla.defvjp(_megaring_xla_fwd, _megaring_xla_bwd)
+# Eager callers get one compiled program too (shard_map would otherwise run op by op).
+_megaring_xla_jit = jax.jit(_megaring_xla, static_argnums=(4, 5))
+
+
+def _check_inputs(q, k, v, plan: MegaRingPlan, causal: bool):
+    if not isinstance(plan, MegaRingPlan):
+        raise ValueError(f"plan must be a MegaRingPlan from lcp.plan_megaring; got {type(plan).__name__}")
+    T, hq, hkv, d = check_qkv(q, k, v)
+    if T != plan.cp_tokens:
+        raise ValueError(f"q has {T} tokens; expected {plan.cp_tokens} (the plan's CP layout: "
+                         f"{plan.static.num_devices} devices x {plan.static.local_capacity}); shard inputs "
+                         f"with plan.shard(x)")
+    if bool(causal) != plan.static.causal:
+        raise ValueError(f"causal={causal} but the plan was built with causal={plan.static.causal}; "
+                         f"rebuild it with plan_megaring(..., causal={bool(causal)})")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        sh = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and isinstance(sh, NamedSharding):
+            if sh.mesh.devices.shape != plan.mesh.devices.shape or \
+                    list(sh.mesh.devices.flat) != list(plan.mesh.devices.flat) or \
+                    sh.mesh.axis_names != plan.mesh.axis_names:
+                raise ValueError(f"{name} lives on mesh {dict(sh.mesh.shape)} over other devices than the "
+                                 f"plan's mesh {dict(plan.mesh.shape)}; the plan was built for another mesh")
+    return d
+
+
+def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = True,
+                                scale: float | None = None, backend: str = "auto"):
+    """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]`` f32."""
+    d = _check_inputs(q, k, v, plan, causal)
+    scale = d ** -0.5 if scale is None else float(scale)
+    backend = _resolve_backend(backend, q, d)
+    del backend  # only the XLA executor runs multi-device tables today
+    sh = plan.sharding
+    tables = tuple(_constrain(jnp.asarray(x), sh) for x in plan.tables.arrays())
+    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    return _megaring_xla_jit(q, k, v, tables, plan.static, scale)
+
+
+def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
+                       backend: str = "auto"):
+    """Context-parallel attention over a planned packed batch (differentiable).
+
+    Args:
+      q: ``[N * capacity, Hq, D]`` in the plan's CP layout (``plan.shard``).
+      k, v: ``[N * capacity, Hkv, D]``, ``Hq % Hkv == 0`` (GQA).
+      plan: from :func:`plan_megaring` (pass it through ``jit`` as an argument).
+      causal: must match the plan.
+      scale: softmax scale, default ``1/sqrt(D)``.
+      backend: ``"auto"`` (Pallas on Hopper GPUs when available, else XLA), ``"xla"``, ``"pallas"``.
+    Returns:
+      ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
+    """
+    return megaring_attention_with_lse(q, k, v, plan, causal=causal, scale=scale, backend=backend)[0]
+
+
+def _resolve_backend(backend: str, q, head_dim: int) -> str:
+    if backend not in ("auto", "xla", "pallas"):
+        raise ValueError(f'backend must be "auto", "xla" or "pallas"; got {backend!r}')
+    if backend == "pallas":
+        raise NotImplementedError(
+            'backend="pallas" for megaring_attention is not implemented yet (the Mosaic GPU engine lands '
+            'with the kernel issue); use backend="xla" or "auto"')
+    if backend == "auto":
+        if any(dev.platform == "gpu" for dev in jax.devices()):
+            warnings.warn("megaring_attention: the Pallas engine is not available; using the XLA executor",
+                          stacklevel=3)
+    return "xla"
+
+
+def _capacity(self) -> dict[str, Any]:
+    """The plan's capacity bucket; pass it as ``plan_megaring(..., capacity=...)`` to pin later batches to it."""
+    s = self.static
+    return {"sections": dict(zip(s.section_sizes, s.section_tiles)),
+            "fwd_tasks": int(np.shape(self.tables.fwd_q_tile)[-1]),
+            "bwd_pairs": int(np.shape(self.tables.bwd_q_tile)[-1])}
+
+
+MegaRingPlan.capacity = property(_capacity)

@@ -1,0 +1,123 @@
+"""Placement types shared by every placement algorithm (paper §4.2).
+
+A placement assigns each sequence of a batch to an aligned power-of-two CP
+group ``Group(start, size)`` of consecutive devices with ``start % size == 0``
+(a buddy hierarchy: groups are disjoint or nested).  ``size == 1`` keeps the
+sequence local; larger groups use zigzag placement (paper §2.1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def validate_lengths(lengths, *, name: str = "lengths", allow_zero: bool = False) -> tuple[int, ...]:
+    """Returns ``lengths`` as a tuple of Python ints, or raises ``ValueError``.
+
+    Args:
+      lengths: 1-D sequence of sequence lengths (tokens), non-empty.
+      allow_zero: whether zero-length entries are accepted.
+    """
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        if not np.all(np.equal(np.mod(arr, 1), 0)):
+            raise ValueError(f"{name} must be integers, got {list(arr)[:8]}")
+    arr = arr.astype(np.int64)
+    lo = 0 if allow_zero else 1
+    bad = np.nonzero(arr < lo)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {int(arr[i])}; expected every length >= {lo}")
+    return tuple(int(x) for x in arr)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Group:
+    """An aligned CP group: devices ``start .. start + size - 1``.
+
+    Fields:
+      start: first device index; ``start % size == 0``.
+      size: number of devices, a power of two.
+    """
+
+    start: int
+    size: int
+
+    def __post_init__(self):
+        if not _is_pow2(int(self.size)):
+            raise ValueError(f"Group.size must be a power of two >= 1, got {self.size}")
+        if int(self.start) < 0 or int(self.start) % int(self.size):
+            raise ValueError(
+                f"Group.start must be a non-negative multiple of size={self.size}, got {self.start}")
+
+    @property
+    def devices(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def contains(self, other: "Group") -> bool:
+        return self.start <= other.start and other.start + other.size <= self.start + self.size
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Per-sequence CP groups for one batch.
+
+    Fields:
+      lengths: ``(S,)`` sequence lengths in batch order.
+      num_devices: devices of the CP axis (a power of two).
+      groups: ``(S,)`` ``Group`` per sequence, index-aligned with ``lengths``.
+      name: the algorithm that produced it (for reports).
+    """
+
+    lengths: tuple[int, ...]
+    num_devices: int
+    groups: tuple[Group, ...]
+    name: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "lengths", validate_lengths(self.lengths))
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not _is_pow2(int(self.num_devices)):
+            raise ValueError(
+                f"num_devices must be a power of two >= 1, got {self.num_devices}")
+        if len(self.groups) != len(self.lengths):
+            raise ValueError(
+                f"groups has {len(self.groups)} entries; expected one per sequence ({len(self.lengths)})")
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, Group):
+                raise ValueError(f"groups[{i}] must be a planning.Group, got {type(g).__name__}")
+            if g.start + g.size > self.num_devices:
+                raise ValueError(
+                    f"groups[{i}] = {g} does not fit on num_devices={self.num_devices}")
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """``(S,)`` int64 group sizes."""
+        return np.array([g.size for g in self.groups], dtype=np.int64)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """``(S,)`` int64 group starts."""
+        return np.array([g.start for g in self.groups], dtype=np.int64)
+
+    @property
+    def num_shards(self) -> int:
+        """Total sequence shards: ``sum(group sizes)``."""
+        return int(self.sizes.sum())
+
+
+def all_cp(lengths: Sequence[int], num_devices: int) -> Placement:
+    """Every sequence zigzag-partitioned over all ``num_devices`` devices."""
+    lengths = validate_lengths(lengths)
+    if not _is_pow2(int(num_devices)):
+        raise ValueError(f"num_devices must be a power of two >= 1, got {num_devices}")
+    g = Group(0, int(num_devices))
+    return Placement(lengths, int(num_devices), tuple(g for _ in lengths), name="all_cp")

@@ -1,0 +1,142 @@
+"""Dense float64 references (NumPy) for packed variable-length batches and decode.
+
+These are the anchors every fast path is checked against; they are simple on
+purpose: one sequence at a time, explicit masks, float64 throughout.
+
+Packed batch: ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]`` with ``lengths``
+summing to ``T``; sequence ``i`` occupies rows ``offsets[i] : offsets[i] +
+lengths[i]`` and attends only within itself (causally if ``causal``). GQA:
+query head ``h`` uses KV head ``h // (Hq // Hkv)``. LSE is natural-log.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from liquidcp_jax._checks import check_packed_lengths, check_qkv
+
+
+def _attend(q, k, v, mask, scale):
+    """q: [M, Hq, D], k/v: [N, Hkv, D], mask: [M, N] bool -> out [M, Hq, D], lse [M, Hq]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
+    kk = np.repeat(k, rep, axis=1)
+    vv = np.repeat(v, rep, axis=1)
+    s = np.einsum("mhd,nhd->hmn", q, kk) * scale
+    s = np.where(mask[None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    safe = np.where(l > 0, l, 1.0)
+    out = np.einsum("hmn,nhd->mhd", p / safe, vv)
+    lse = np.where(l[..., 0] > 0, (m + np.log(safe))[..., 0], -np.inf).T
+    return out, lse
+
+
+def _offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def attention_reference(q, k, v, lengths, *, causal: bool = True, scale: float | None = None):
+    """Dense attention over a packed batch, in float64.
+
+    Args:
+      q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; lengths: ``(S,)`` summing to ``T``.
+      causal: key ``j`` is visible to query ``i`` of the same sequence iff ``j <= i``.
+      scale: softmax scale, default ``1/sqrt(D)``.
+    Returns:
+      ``(out [T, Hq, D] float64, lse [T, Hq] float64)``.
+    """
+    T, hq, hkv, d = check_qkv(q, k, v)
+    lengths = check_packed_lengths(lengths, T)
+    scale = d ** -0.5 if scale is None else float(scale)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    out = np.zeros((T, hq, d))
+    lse = np.full((T, hq), -np.inf)
+    off = _offsets(lengths)
+    for i, L in enumerate(lengths):
+        sl = slice(off[i], off[i] + L)
+        mask = np.tril(np.ones((L, L), bool)) if causal else np.ones((L, L), bool)
+        out[sl], lse[sl] = _attend(q[sl], k[sl], v[sl], mask, scale)
+    return out, lse
+
+
+def attention_reference_vjp(q, k, v, do, lengths, *, causal: bool = True, scale: float | None = None):
+    """Float64 gradients of ``sum(out * do)`` for :func:`attention_reference`.
+
+    Args:
+      q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; do: ``[T, Hq, D]``.
+    Returns:
+      ``(dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D])`` float64.
+    """
+    T, hq, hkv, d = check_qkv(q, k, v)
+    lengths = check_packed_lengths(lengths, T)
+    scale = d ** -0.5 if scale is None else float(scale)
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    rep = hq // hkv
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    off = _offsets(lengths)
+    for i, L in enumerate(lengths):
+        sl = slice(off[i], off[i] + L)
+        mask = np.tril(np.ones((L, L), bool)) if causal else np.ones((L, L), bool)
+        kk, vv = np.repeat(k[sl], rep, 1), np.repeat(v[sl], rep, 1)
+        s = np.where(mask[None], np.einsum("mhd,nhd->hmn", q[sl], kk) * scale, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        dvv = np.einsum("hmn,mhd->nhd", p, do[sl])
+        dp = np.einsum("mhd,nhd->hmn", do[sl], vv)
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        dq[sl] = np.einsum("hmn,nhd->mhd", ds, kk) * scale
+        dkk = np.einsum("hmn,mhd->nhd", ds, q[sl]) * scale
+        dk[sl] = dkk.reshape(L, hkv, rep, d).sum(2)
+        dv[sl] = dvv.reshape(L, hkv, rep, d).sum(2)
+    return dq, dk, dv
+
+
+def decode_reference(q, k_new, v_new, k_hist, v_hist, history_lengths, query_lengths,
+                     *, scale: float | None = None):
+    """Decode / chunked-prefill reference, float64.
+
+    Request ``r`` appends ``query_lengths[r]`` tokens to a cached history of
+    ``history_lengths[r]`` tokens. Its queries attend every history token and,
+    causally, the appended tokens up to themselves.
+
+    Args:
+      q: ``[Tq, Hq, D]`` with ``Tq = sum(query_lengths)``.
+      k_new, v_new: ``[Tq, Hkv, D]`` KV of the appended tokens.
+      k_hist, v_hist: ``[sum(history_lengths), Hkv, D]`` packed cached history.
+    Returns:
+      ``(out [Tq, Hq, D], lse [Tq, Hq])`` float64.
+    """
+    Tq, hq, hkv, d = check_qkv(q, k_new, v_new, k_name="k_new", v_name="v_new")
+    query_lengths = check_packed_lengths(query_lengths, Tq, name="query_lengths")
+    check_qkv(q, k_hist, v_hist, k_name="k_hist", v_name="v_hist", same_tokens=False)
+    history_lengths = check_packed_lengths(history_lengths, k_hist.shape[0],
+                                           name="history_lengths", allow_zero=True)
+    if len(history_lengths) != len(query_lengths):
+        raise ValueError(f"history_lengths has {len(history_lengths)} requests; expected "
+                         f"{len(query_lengths)} (one per query_lengths entry)")
+    scale = d ** -0.5 if scale is None else float(scale)
+    q, k_new, v_new, k_hist, v_hist = (np.asarray(x, np.float64) for x in (q, k_new, v_new, k_hist, v_hist))
+    out = np.zeros((Tq, hq, d))
+    lse = np.full((Tq, hq), -np.inf)
+    qo, ho = _offsets(query_lengths), _offsets(history_lengths)
+    for r, (nq, nh) in enumerate(zip(query_lengths, history_lengths)):
+        qs, hs = slice(qo[r], qo[r] + nq), slice(ho[r], ho[r] + nh)
+        kk = np.concatenate([k_hist[hs], k_new[qs]])
+        vv = np.concatenate([v_hist[hs], v_new[qs]])
+        mask = np.concatenate([np.ones((nq, nh), bool), np.tril(np.ones((nq, nq), bool))], axis=1)
+        out[qs], lse[qs] = _attend(q[qs], kk, vv, mask, scale)
+    return out, lse
+
+
+def rel_error(x, ref) -> float:
+    """``||x - ref|| / ||ref||`` in float64 (finite entries of ``ref`` only)."""
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    fin = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(x), fin):
+        return float("inf")
+    num = np.linalg.norm((x - ref)[fin])
+    den = np.linalg.norm(ref[fin])
+    return float(num / den) if den > 0 else float(num)

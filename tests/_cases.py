@@ -1,0 +1,23 @@
+"""Shared helpers for the MegaRing tests."""
+import numpy as np
+
+from liquidcp_jax import planning
+
+
+def mixed_placement(lengths, num_devices=8, seed=0):
+    """A placement with groups of sizes 1, 2, 4 and 8, nested and disjoint, cycling through sizes."""
+    rng = np.random.default_rng(seed)
+    sizes = [8, 2, 1, 4, 2, 1, 4, 8]
+    groups = []
+    for i, _ in enumerate(lengths):
+        g = min(sizes[i % len(sizes)], num_devices)
+        start = int(rng.integers(0, num_devices // g)) * g
+        groups.append(planning.Group(start, g))
+    return planning.Placement(tuple(lengths), num_devices, tuple(groups))
+
+
+def random_qkv(rng, T, hq, hkv, d, dtype=np.float32):
+    q = rng.standard_normal((T, hq, d)).astype(dtype)
+    k = rng.standard_normal((T, hkv, d)).astype(dtype)
+    v = rng.standard_normal((T, hkv, d)).astype(dtype)
+    return q, k, v

@@ -1,0 +1,22 @@
+import os
+
+# An 8-device mesh emulated on the CPU; must be set before jax is imported.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+    return jax.make_mesh((8,), ("cp",))
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh inputs per test, reproducible from the test's name.
+    seed = abs(hash(request.node.nodeid)) % (2 ** 32)
+    return np.random.default_rng(seed)
