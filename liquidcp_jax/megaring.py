@@ -99,20 +99,35 @@ class MegaRingPlan:
         return self.static.num_devices * self.static.local_capacity
 
     def shard(self, x: jax.Array) -> jax.Array:
-        """Packed ``[T, H, D]`` -> CP layout ``[N * capacity, H, D]`` sharded over the CP axis (padding = 0)."""
-        if getattr(x, "ndim", None) != 3 or x.shape[0] != self.static.num_tokens:
-            raise ValueError(f"x must have shape [T={self.static.num_tokens}, H, D] (the plan's lengths sum "
+        """Packed ``[T, ...]`` (e.g. ``[T, H, D]``) -> CP layout ``[N * capacity, ...]`` sharded over the CP
+        axis; padding slots are 0."""
+        if getattr(x, "ndim", 0) < 1 or x.shape[0] != self.static.num_tokens:
+            raise ValueError(f"x must have shape [T={self.static.num_tokens}, ...] (the plan's lengths sum "
                              f"to {self.static.num_tokens}); got {getattr(x, 'shape', None)}")
         xp = jnp.concatenate([jnp.asarray(x), jnp.zeros((1,) + x.shape[1:], x.dtype)])
         return _constrain(xp[jnp.asarray(self.shard_src)], self.sharding)
 
     def unshard(self, y: jax.Array) -> jax.Array:
-        """CP layout ``[N * capacity, H, D]`` -> packed ``[T, H, D]``."""
-        if getattr(y, "ndim", None) != 3 or y.shape[0] != self.cp_tokens:
-            raise ValueError(f"y must have shape [{self.cp_tokens}, H, D] (the plan's CP layout); "
+        """CP layout ``[N * capacity, ...]`` -> packed ``[T, ...]``."""
+        if getattr(y, "ndim", 0) < 1 or y.shape[0] != self.cp_tokens:
+            raise ValueError(f"y must have shape [{self.cp_tokens}, ...] (the plan's CP layout); "
                              f"got {getattr(y, 'shape', None)}")
         y = _constrain(jnp.asarray(y), NamedSharding(self.static.mesh, P()))
         return y[jnp.asarray(self.unshard_src)]
+
+    def positions(self) -> jax.Array:
+        """``[N * capacity]`` int32 position of each CP slot within its sequence (padding: its padded position)."""
+        tb = self.tables
+        B = self.static.tile_size
+        pos = jnp.asarray(tb.tile_pos)[..., None] + jnp.arange(B, dtype=jnp.int32)
+        return _constrain(pos.reshape(-1), self.sharding)
+
+    def valid(self) -> jax.Array:
+        """``[N * capacity]`` bool: the CP slot holds a real token (not padding)."""
+        tb = self.tables
+        B = self.static.tile_size
+        ok = jnp.arange(B, dtype=jnp.int32) < jnp.asarray(tb.tile_valid)[..., None]
+        return _constrain(ok.reshape(-1), self.sharding)
 
     def local_loads(self) -> dict[str, np.ndarray]:
         """Host: per-device ``tokens`` and causal ``attention`` work (valid (q, k) pairs)."""

@@ -1,0 +1,50 @@
+"""Flax NNX module, the training example and the demo / CLI entry points."""
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import liquidcp_jax as lcp
+from liquidcp_jax import nn as lnn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def test_attention_module_cp_equals_single_device(rng):
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    lengths = [70, 1, 33, 120]
+    attn = lnn.ContextParallelAttention(32, 4, 2, use_rope=True, rngs=nnx.Rngs(1))
+    x = rng.standard_normal((sum(lengths), 32)).astype(np.float32)
+    seg = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.concatenate([np.arange(L) for L in lengths])
+    dense = attn(x, segment_ids=seg, positions=pos)
+    plan = lcp.plan_megaring(lengths, mesh, placement="buddyring", tile_size=16)
+    cp = plan.unshard(nnx.jit(lambda m, x, p: m(p.shard(x), plan=p))(attn, x, plan))
+    np.testing.assert_allclose(np.asarray(cp), np.asarray(dense), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        lnn.ContextParallelAttention(32, 4, 3, rngs=nnx.Rngs(0))
+
+
+def test_train_example_losses_match():
+    import train_flax_cp as ex
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    cp, dense = ex.train(20, [200, 57, 1, 130, 96, 28], "buddyring", mesh, log=lambda *_: None)
+    assert len(cp) == 20 and cp[-1] < cp[0] * 0.5        # it trains
+    assert np.max(np.abs(cp - dense) / np.abs(dense)) <= 1e-4
+
+
+@pytest.mark.parametrize("args,expect", [(["demo", "--tokens", "2K"], "OK"),
+                                         (["plan", "--dataset", "github", "--tokens", "64K", "--batches", "2",
+                                           "--no-progress"], "buddyring")])
+def test_cli(args, expect):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-m", "liquidcp_jax", *args], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert expect in r.stdout
