@@ -1,0 +1,287 @@
+"""MegaDCP split-plan selection (paper §5.2 "Plan selection", Appendix A.2 "Split planning").
+
+The search starts at NoSplit (one task per query tile over its full local history). The
+per-sequence upper bounds are the FA3-derived reference plan's split counts, raised to at
+least ``min_decode_limit`` (4) for decode requests (<= 16 query tokens) with at least ``K``
+local history tiles. Each iteration scores ``+1`` on every sequence below its limit, plus a
+joint ``+1`` on the sequences whose tasks tie at the attention tail, and accepts the best
+candidate only if it improves the current score. The result is the best of NoSplit, the
+search result and the FA3 reference, adopted over NoSplit only when it is at least
+``min_gain`` (10 %) lower. Score ties favour earlier attention completion, then fewer
+attention tasks, then fewer total splits.
+
+Candidates whose lower bound cannot beat the current score are skipped without simulating;
+the bound (below) is a proven lower bound of the model, so skipping never changes the result:
+
+* a task of ``c`` tile-equivalents runs at rate ``<= 1 / rho``, and its sequence's
+  reductions start after it and cost ``>= delta_red + gamma * s``;
+* ``K`` CTAs complete at most ``k / tau(k) <= K`` tile-equivalents per unit time.
+
+Ordering follows §5.2: release-aware LPT for split decode-only plans, FIFO otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from liquidcp_jax.planning import critical_wave as cw
+from liquidcp_jax.planning.fa3 import fa3_dynamic_splits, fa3_static_num_splits
+
+QUERY_BLOCK = 16  # tokens per query transfer block (A.2 / A.3)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """The selected split plan of one GPU's decode step.
+
+    Fields (``S`` sequences):
+      splits: ``(S,)`` selected KV partitions per sequence.
+      score: modeled completion of the selected plan (model time units).
+      nosplit_score: score of NoSplit (all ones).
+      fa3_splits / fa3_score: the FA3-derived reference plan and its score.
+      search_splits / search_score: the search result before the final selection.
+      limits: ``(S,)`` per-sequence split upper bounds used by the search.
+      order: ``"lpt"`` (release-aware) or ``"fifo"``, the attention order of ``splits``.
+      epochs: ``(S,)`` transfer epoch of each sequence's last query block under ``"lpt"``,
+        else ``None``.
+      copy_run: output vectors per copy-reduction task of the selected plan.
+      attention_end: modeled attention completion of the selected plan.
+      num_tasks: attention tasks (history + chunk) of the selected plan.
+      iterations / evaluations: search iterations and full simulations run.
+    """
+
+    splits: tuple[int, ...]
+    score: float
+    nosplit_score: float
+    fa3_splits: tuple[int, ...]
+    fa3_score: float
+    search_splits: tuple[int, ...]
+    search_score: float
+    limits: tuple[int, ...]
+    order: str
+    epochs: tuple[int, ...] | None
+    copy_run: int
+    attention_end: float
+    num_tasks: int
+    iterations: int
+    evaluations: int
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+class _Scorer:
+    """Scores candidate split vectors (memoized) with the bulk critical-wave simulator."""
+
+    def __init__(self, tiles, qtiles, vectors, chunk, qblocks, decode_only, params, hq,
+                 num_comm_ctas, dcp, copy_run, merge_run):
+        self.tiles, self.qtiles, self.vectors, self.chunk = tiles, qtiles, vectors, chunk
+        self.qblocks, self.decode_only, self.p = qblocks, decode_only, params
+        self.hq, self.M, self.P = hq, num_comm_ctas, dcp
+        self.fixed_run, self.merge_run = copy_run, merge_run
+        self.cache = {}
+        self.evaluations = 0
+
+    def details(self, splits: tuple):
+        """Returns ``(key, attn_end, ready, order, epochs, copy_run)``; ``key`` sorts best first."""
+        hit = self.cache.get(splits)
+        if hit is not None:
+            return hit
+        p = self.p
+        split_any = any(s > 1 for s, n in zip(splits, self.tiles) if n > 0)
+        order = "lpt" if (self.decode_only and split_any) else "fifo"
+        epochs = None
+        if order == "lpt":
+            cost = [qt * (n + s * p.delta_attn) if n > 0 else 0.0
+                    for n, s, qt in zip(self.tiles, splits, self.qtiles)]
+            _, ep = cw.release_aware_epochs(cost, self.qblocks, num_comm_ctas=self.M, dcp=self.P)
+            epochs = [max(0, int(e)) for e in ep]
+        run = self.fixed_run
+        if run is None:
+            copy_v = [v for v, s, n in zip(self.vectors, splits, self.tiles) if s == 1 and n > 0]
+            merges = sum(_ceil_div(v, self.merge_run)
+                         for v, s, n in zip(self.vectors, splits, self.tiles) if s > 1 and n > 0)
+            run = cw.reduction_run_size(copy_v, self.hq, p.num_ctas, warps_per_cta=p.warps_per_cta,
+                                        merge_tasks=merges)
+        wl = cw._workload(self.tiles, list(splits), self.qtiles, self.vectors, self.chunk, p, order,
+                          epochs, run, self.merge_run)
+        score, attn_end, ready = cw._simulate_bulk(wl, p)
+        self.evaluations += 1
+        ntasks = sum(qt * s for qt, s, n in zip(self.qtiles, splits, self.tiles) if n > 0)
+        ntasks += len(self.chunk)
+        key = (round(score, 9), round(attn_end, 9), ntasks, sum(splits))
+        out = (key, attn_end, ready, order, None if epochs is None else tuple(epochs), run)
+        self.cache[splits] = out
+        return out
+
+
+def fa3_reference_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], *, heads: int,
+                         num_sms: int, rows_per_tile: int = 128, tile_tokens: int = 128,
+                         history_tokens: Sequence[int] | None = None) -> tuple[int, ...]:
+    """FA3-derived reference plan: FA3's heuristic with the batch's maximum query length
+    (as vLLM's DCP path calls it: ``P * hq`` heads over one KV head, non-causal, varlen),
+    with kBlockM = ``rows_per_tile`` and kBlockN = ``tile_tokens``; capped at one tile per split.
+
+    Args:
+      history_tiles: ``(S,)`` local history tiles.
+      query_tokens: ``(S,)`` query tokens.
+      heads: gathered query heads per KV head (``P * hq``).
+      history_tokens: ``(S,)`` local history tokens; default ``tiles * tile_tokens``.
+    """
+    tiles = [int(x) for x in history_tiles]
+    toks = [n * tile_tokens for n in tiles] if history_tokens is None else [int(x) for x in history_tokens]
+    qs = [int(x) for x in query_tokens]
+    static = fa3_static_num_splits(len(tiles), max(qs), max(toks), num_heads=heads, num_heads_k=1,
+                                   num_sms=num_sms, block_m=rows_per_tile, block_n=tile_tokens)
+    n_blocks = [_ceil_div(k, tile_tokens) for k in toks]
+    m_blocks = [_ceil_div(q * heads, rows_per_tile) for q in qs]
+    dyn = fa3_dynamic_splits(n_blocks, m_blocks, static, num_sms=num_sms, num_head=1)
+    return tuple(max(1, min(s, n)) for s, n in zip(dyn, tiles))
+
+
+def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], params: "cw.Params", *,
+                heads: int = 1, rows_per_tile: int = 128, vectors: Sequence[int] | None = None,
+                chunk_tiles: Sequence[int] = (), hq: int | None = None,
+                copy_run: int | None = None, merge_run: int = 1,
+                fa3_splits: Sequence[int] | None = None, fa3_num_sms: int | None = None,
+                tile_tokens: int = 128, history_tokens: Sequence[int] | None = None,
+                num_comm_ctas: int = 16, dcp: int = 1, decode_max_query: int = 16,
+                min_decode_limit: int = 4, min_gain: float = 0.10,
+                max_splits: Sequence[int] | None = None,
+                fixed_splits: Sequence[int] | None = None) -> SplitPlan:
+    """Selects per-sequence KV split counts with the critical-wave model (§5.2).
+
+    Args:
+      history_tiles: ``(S,)`` local history KV tiles per sequence (>= 0).
+      query_tokens: ``(S,)`` query tokens per sequence (>= 1); ``<= decode_max_query`` marks a
+        decode request, any larger one makes the batch mixed (FIFO, FA3 bounds only).
+      params: model parameters (``K = params.num_ctas``).
+      heads: gathered query heads per KV head (``P * hq``); a query tile is a token range of
+        ``max(1, rows_per_tile // heads)`` tokens with all heads.
+      vectors: ``(S,)`` output vectors per sequence; default one each (the paper's Fig. 8).
+      chunk_tiles: ``(C,)`` KV tiles of each chunk-attention task.
+      hq: local query heads for the copy-run rule; default ``heads``.
+      copy_run: fixed copy-run length; default the A.2 rule per plan.
+      fa3_splits: override the FA3-derived reference plan.
+      fa3_num_sms: SMs FA3 sees (default ``K``).
+      history_tokens: ``(S,)`` exact local history tokens for the FA3 reference.
+      num_comm_ctas / dcp: ``M`` and ``P`` of the release-aware transfer epochs.
+      max_splits: override the search's per-sequence limits.
+      fixed_splits: score these splits instead of searching (NoSplit and FA3 still reported).
+    Returns:
+      :class:`SplitPlan`.
+    """
+    if not isinstance(params, cw.Params):
+        raise ValueError(f"params must be a critical_wave.Params, got {type(params).__name__}")
+    tiles = cw._int_vector(history_tiles, "history_tiles", lo=0)
+    S = len(tiles)
+    qs = cw._int_vector(query_tokens, "query_tokens", lo=1, size=S)
+    for name, v in (("heads", heads), ("rows_per_tile", rows_per_tile), ("tile_tokens", tile_tokens),
+                    ("num_comm_ctas", num_comm_ctas), ("dcp", dcp), ("merge_run", merge_run),
+                    ("min_decode_limit", min_decode_limit)):
+        if int(v) != v or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not (0.0 <= min_gain < 1.0):
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
+    vec = [1] * S if vectors is None else cw._int_vector(vectors, "vectors", lo=1, size=S)
+    chunk = [] if len(chunk_tiles) == 0 else cw._int_vector(chunk_tiles, "chunk_tiles", lo=0)
+    K = params.num_ctas
+    rows_tokens = max(1, rows_per_tile // heads)
+    qtiles = [_ceil_div(q, rows_tokens) for q in qs]
+    decode = [q <= decode_max_query for q in qs]
+    decode_only = all(decode)
+    if fa3_splits is None:
+        fa3 = fa3_reference_splits(tiles, qs, heads=heads, num_sms=fa3_num_sms or K,
+                                   rows_per_tile=rows_per_tile, tile_tokens=tile_tokens,
+                                   history_tokens=history_tokens)
+    else:
+        fa3 = tuple(cw._int_vector(fa3_splits, "fa3_splits", lo=1, size=S))
+        cw._check_splits(tiles, list(fa3))
+    if max_splits is None:
+        limits = [max(f, min_decode_limit) if (d and n >= K) else f
+                  for f, d, n in zip(fa3, decode, tiles)]
+        limits = tuple(max(1, min(lim, n)) for lim, n in zip(limits, tiles))
+    else:
+        limits = tuple(max(1, min(int(m), n)) for m, n in
+                       zip(cw._int_vector(max_splits, "max_splits", lo=1, size=S), tiles))
+    qblocks = [_ceil_div(q, QUERY_BLOCK) for q in qs]
+    sc = _Scorer(tiles, qtiles, vec, chunk, qblocks, decode_only, params,
+                 heads if hq is None else int(hq), num_comm_ctas, dcp, copy_run, merge_run)
+
+    ones = tuple(1 for _ in tiles)
+    if fixed_splits is not None:
+        fixed = tuple(cw._int_vector(fixed_splits, "fixed_splits", lo=1, size=S))
+        cw._check_splits(tiles, list(fixed))
+        nos_d, fa3_d, ch = sc.details(ones), sc.details(tuple(fa3)), sc.details(fixed)
+        return SplitPlan(splits=fixed, score=ch[0][0], nosplit_score=nos_d[0][0],
+                         fa3_splits=tuple(fa3), fa3_score=fa3_d[0][0], search_splits=fixed,
+                         search_score=ch[0][0], limits=limits, order=ch[3], epochs=ch[4],
+                         copy_run=ch[5], attention_end=ch[1], num_tasks=ch[0][2], iterations=0,
+                         evaluations=sc.evaluations)
+    cur = ones
+    cur_d = sc.details(cur)
+    # Lower-bound ingredients (see module docstring).
+    p = params
+    n_arr = np.asarray(tiles, dtype=np.float64)
+    qt_arr = np.asarray(qtiles, dtype=np.float64)
+    has = n_arr > 0
+    lim_arr = np.asarray(limits)
+    chunk_work = float(sum(c + p.delta_attn for c in chunk))
+    tail_red = 0.0 if chunk else p.delta_red  # the last attention task may be a chunk task
+    iterations = 0
+    while True:
+        iterations += 1
+        s_arr = np.asarray(cur, dtype=np.float64)
+        seq_lb = np.where(has, p.rho * (np.ceil(n_arr / s_arr) + p.delta_attn)
+                          + p.delta_red + p.gamma * s_arr, 0.0)
+        work = float(np.sum(np.where(has, qt_arr * (n_arr + s_arr * p.delta_attn), 0.0))) + chunk_work
+        order_lb = np.sort(seq_lb)[::-1]
+        top1, top2 = (order_lb[0], order_lb[1] if S > 1 else 0.0)
+        cands = []
+        below = np.nonzero((np.asarray(cur) < lim_arr) & has)[0]
+        if below.size:
+            s1 = s_arr[below] + 1
+            new_lb = p.rho * (np.ceil(n_arr[below] / s1) + p.delta_attn) + p.delta_red + p.gamma * s1
+            rest = np.where(seq_lb[below] >= top1, top2, top1)
+            lb = np.maximum(np.maximum(new_lb, rest),
+                            (work + qt_arr[below] * p.delta_attn) / K + tail_red)
+            for j, b in zip(below.tolist(), lb.tolist()):
+                c = list(cur)
+                c[j] += 1
+                cands.append((b, tuple(c)))
+        # Joint +1 for sequences tied at the attention tail.
+        attn_end, ready = cur_d[1], cur_d[2]
+        tied = [i for i, t in ready.items() if abs(t - attn_end) <= 1e-9 * max(1.0, attn_end)
+                and cur[i] < limits[i]]
+        if len(tied) >= 2:
+            c = list(cur)
+            for i in tied:
+                c[i] += 1
+            cands.append((0.0, tuple(c)))
+        cur_score = cur_d[0][0]
+        best = None
+        for b, c in sorted(cands, key=lambda x: x[0]):
+            if b >= cur_score or (best is not None and b > best[0][0]):
+                continue
+            d = sc.details(c)
+            if d[0][0] < cur_score and (best is None or d[0] < best[0]):
+                best = d + (c,)
+        if best is None:
+            break
+        cur, cur_d = best[-1], best[:-1]
+    search, search_d = cur, cur_d
+    nos_d = sc.details(ones)
+    fa3_d = sc.details(tuple(fa3))
+    pool = sorted([(nos_d[0], ones), (search_d[0], search), (fa3_d[0], tuple(fa3))])
+    chosen = pool[0][1]
+    if chosen != ones and pool[0][0][0] > (1.0 - min_gain) * nos_d[0][0]:
+        chosen = ones
+    ch = sc.details(chosen)
+    return SplitPlan(splits=chosen, score=ch[0][0], nosplit_score=nos_d[0][0],
+                     fa3_splits=tuple(fa3), fa3_score=fa3_d[0][0], search_splits=search,
+                     search_score=search_d[0][0], limits=limits, order=ch[3], epochs=ch[4],
+                     copy_run=ch[5], attention_end=ch[1], num_tasks=ch[0][2],
+                     iterations=iterations, evaluations=sc.evaluations)
