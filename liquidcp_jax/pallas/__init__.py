@@ -1,0 +1,1 @@
+"""Pallas Mosaic GPU tile-attention kernels (Hopper). Entry point: :mod:`.api`."""

@@ -1,0 +1,230 @@
+"""Public entry points of the Pallas tile-attention kernels.
+
+``varlen_attention`` is a ``jax.custom_vjp`` op over packed variable-length segments. Forward:
+the Mosaic GPU kernel in :mod:`tile_attention_fwd`. Backward (``bwd_impl="pallas"``, default): the
+dQ and dK/dV Mosaic GPU kernels in :mod:`tile_attention_bwd`; ``bwd_impl="xla"``:
+:func:`xla_segment_attention_bwd`, a chunked XLA implementation.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from liquidcp_jax.pallas import tables as tables_lib
+from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+from liquidcp_jax.pallas import tile_attention_fwd as fwd_lib
+
+TuningConfig = fwd_lib.TuningConfig
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_supported(q_dtype, head_dim) -> tuple[bool, str]:
+  """(True, "") if the Pallas kernels can run here for this dtype / head dim, else (False, why)."""
+  if jnp.dtype(q_dtype) not in _SUPPORTED_DTYPES:
+    return False, f"dtype must be bfloat16 or float16, got {jnp.dtype(q_dtype)}"
+  if head_dim not in (64, 128):
+    return False, f"head_dim must be 64 or 128, got {head_dim}"
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError as e:  # pragma: no cover
+    return False, f"no JAX device: {e}"
+  if dev.platform != "gpu":
+    return False, f"needs an NVIDIA Hopper GPU (sm_90), found platform {dev.platform!r}"
+  cc = getattr(dev, "compute_capability", None)
+  if cc is None or not str(cc).startswith("9."):
+    return False, f"needs compute capability 9.x (Hopper), found {cc}"
+  return True, ""
+
+
+def _check(q, k, v, seg_arrays, config):
+  if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+    raise ValueError(f"q, k, v must be [T, H, D]; got ndim {q.ndim}, {k.ndim}, {v.ndim}")
+  if k.shape != v.shape:
+    raise ValueError(f"v.shape {v.shape} must equal k.shape {k.shape}")
+  if q.shape[2] != k.shape[2]:
+    raise ValueError(f"k head_dim {k.shape[2]} must equal q head_dim {q.shape[2]}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
+    raise ValueError(f"q.dtype must be bfloat16 or float16, got {q.dtype}")
+  if q.shape[2] not in (64, 128):
+    raise ValueError(f"head_dim must be 64 or 128, got {q.shape[2]}")
+  if q.shape[1] % k.shape[1] or q.shape[1] // k.shape[1] not in (1, 2, 4, 8):
+    raise ValueError(f"Hq/Hkv must be 1, 2, 4 or 8, got Hq={q.shape[1]}, Hkv={k.shape[1]}")
+  s_cap = seg_arrays[0].shape
+  for name, a in zip(("seg_q_start", "seg_kv_start", "seg_len"), seg_arrays):
+    if a.ndim != 1 or a.shape != s_cap:
+      raise ValueError(f"{name} must be int32 [S_cap] like seg_q_start {s_cap}, got {a.shape}")
+  if not isinstance(config, TuningConfig):
+    raise ValueError(f"config must be a pallas TuningConfig, got {type(config)}")
+
+
+def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
+             interpret):
+  tq0, hq, d = q.shape
+  tr, bkv = config.task_rows, config.block_kv
+  tk0 = k.shape[0]
+  tqp = max(-(-tq0 // tables_lib.ROW_ALIGN) * tables_lib.ROW_ALIGN, tr)
+  qp = q if tqp == tq0 else jnp.pad(q, ((0, tqp - tq0), (0, 0), (0, 0)))
+  tk = max(-(-tk0 // bkv) * bkv, bkv)
+  kp, vp = k, v
+  if tk != tk0:
+    kp = jnp.pad(k, ((0, tk - tk0), (0, 0), (0, 0)))
+    vp = jnp.pad(v, ((0, tk - tk0), (0, 0), (0, 0)))
+  zeros = jnp.zeros_like(seg_len)
+  tt = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, zeros, zeros,
+                                   num_segs, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
+                                   causal=causal, xp=jnp)
+  out, lse_pad = fwd_lib.tile_attention_fwd(qp, kp, vp, tt.table, tt.capacity, causal=causal,
+                                            sm_scale=sm_scale, config=config, interpret=interpret)
+  lse = lse_pad[:, tt.row_task * tr + tt.row_off].T
+  return out[:tq0], lse[:tq0]
+
+
+def _row_segments(seg_start, seg_len, num_segs, t):
+  """Per row: (segment id or -1, position in segment)."""
+  s_cap = seg_start.shape[0]
+  live = (jnp.arange(s_cap) < num_segs) & (seg_len > 0)
+  rows = jnp.arange(t)
+  inside = (rows[:, None] >= seg_start[None]) & (rows[:, None] < (seg_start + seg_len)[None])
+  inside = inside & live[None]
+  sid = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
+  pos = rows - jnp.where(sid >= 0, seg_start[jnp.maximum(sid, 0)], 0)
+  return sid.astype(jnp.int32), pos.astype(jnp.int32)
+
+
+def xla_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, seg_len, num_segs,
+                              *, causal, sm_scale, chunk=512):
+  """Backward in XLA (chunks of ``chunk`` query rows, float32 math). Returns dq, dk, dv."""
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  g = hq // hkv
+  sq, pq = _row_segments(seg_q_start, seg_len, num_segs, tq)
+  sk, pk = _row_segments(seg_kv_start, seg_len, num_segs, tk)
+  delta = jnp.einsum("thd,thd->th", do.astype(jnp.float32), out.astype(jnp.float32))
+  n = -(-tq // chunk)
+  padr = n * chunk - tq
+  pad = lambda a, val=0: jnp.pad(a, [(0, padr)] + [(0, 0)] * (a.ndim - 1), constant_values=val)
+  qc = pad(q).reshape(n, chunk, hkv, g, d)
+  doc = pad(do).reshape(n, chunk, hkv, g, d)
+  lsec = pad(lse, -jnp.inf).reshape(n, chunk, hkv, g)
+  dlc = pad(delta).reshape(n, chunk, hkv, g)
+  sqc = pad(sq, -1).reshape(n, chunk)
+  pqc = pad(pq).reshape(n, chunk)
+  kf = k.astype(jnp.float32)
+  vf = v.astype(jnp.float32)
+
+  def body(carry, xs):
+    dk, dv = carry
+    qb, dob, lb, dlb, sqb, pqb = xs
+    qb = qb.astype(jnp.float32)
+    dob = dob.astype(jnp.float32)
+    vis = (sqb[:, None] == sk[None]) & (sqb[:, None] >= 0)
+    if causal:
+      vis = vis & (pk[None] <= pqb[:, None])
+    s = jnp.einsum("qhgd,khd->hgqk", qb, kf) * sm_scale
+    lt = jnp.transpose(lb, (1, 2, 0))[..., None]
+    p = jnp.where(vis[None, None], jnp.exp(s - jnp.where(jnp.isfinite(lt), lt, 0.0)), 0.0)
+    dv = dv + jnp.einsum("hgqk,qhgd->khd", p, dob)
+    dp = jnp.einsum("qhgd,khd->hgqk", dob, vf)
+    ds = p * (dp - jnp.transpose(dlb, (1, 2, 0))[..., None]) * sm_scale
+    dq = jnp.einsum("hgqk,khd->qhgd", ds, kf)
+    dk = dk + jnp.einsum("hgqk,qhgd->khd", ds, qb)
+    return (dk, dv), dq
+
+  z = jnp.zeros((tk, hkv, d), jnp.float32)
+  (dk, dv), dq = jax.lax.scan(body, (z, z), (qc, doc, lsec, dlc, sqc, pqc))
+  dq = dq.reshape(n * chunk, hq, d)[:tq]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _roundup(x, m):
+  return max(-(-x // m) * m, m)
+
+
+def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, seg_len,
+                                 num_segs, *, causal, sm_scale, config=None, interpret=False):
+  """Backward with the Mosaic GPU kernels. Shapes as :func:`varlen_attention`; returns dq, dk, dv.
+
+  Key segments must not overlap either (true for packed self-attention)."""
+  config = bwd_lib.BwdTuningConfig() if config is None else config
+  tq, hq, d = q.shape
+  tk = k.shape[0]
+  tqb, tkb = _roundup(tq, 128), _roundup(tk, 128)
+  padr = lambda a, n: a if a.shape[0] == n else jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+  qb, dob = padr(q, tqb), padr(do, tqb)
+  kb, vb = padr(k, tkb), padr(v, tkb)
+  delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
+  lse2 = jnp.where(jnp.isfinite(lse), lse * fwd_lib._LOG2E, jnp.inf).T
+  delta = jnp.pad(delta, ((0, 0), (0, tqb - tq)))
+  lse2 = jnp.pad(lse2, ((0, 0), (0, tqb - tq)), constant_values=jnp.inf)
+  z = jnp.zeros_like(seg_len)
+  t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z, num_segs,
+                                     tq=tqb, tk=tkb, block_q=128, block_kv=config.block_kv_dq,
+                                     causal=causal, xp=jnp)
+  t_kv = tables_lib.build_task_table(seg_kv_start, seg_len, seg_q_start, seg_len, z, z, num_segs,
+                                     tq=tkb, tk=tqb, block_q=128, block_kv=config.block_q_dkv,
+                                     causal=causal, reverse=True, xp=jnp)
+  dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
+                              causal=causal, sm_scale=sm_scale, config=config, interpret=interpret)
+  dk, dv = bwd_lib.dkv_kernel_call(qb, kb, vb, dob, lse2, delta, t_kv.table, t_kv.capacity,
+                                   causal=causal, sm_scale=sm_scale, config=config,
+                                   interpret=interpret)
+  return dq[:tq], dk[:tk], dv[:tk]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _varlen(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
+            interpret, bwd_impl):
+  return _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
+                  interpret)
+
+
+def _varlen_fwd(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
+                interpret, bwd_impl):
+  out, lse = _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale,
+                      config, interpret)
+  return (out, lse), (q, k, v, out, lse, seg_q_start, seg_kv_start, seg_len, num_segs)
+
+
+def _varlen_bwd(causal, sm_scale, config, interpret, bwd_impl, res, cts):
+  q, k, v, out, lse, sqs, sks, sl, ns = res
+  do, _ = cts  # the LSE cotangent is not propagated (out is the differentiated output)
+  if bwd_impl == "xla":
+    dq, dk, dv = xla_segment_attention_bwd(q, k, v, out, lse, do, sqs, sks, sl, ns,
+                                           causal=causal, sm_scale=sm_scale)
+  else:
+    dq, dk, dv = pallas_segment_attention_bwd(q, k, v, out, lse, do, sqs, sks, sl, ns,
+                                              causal=causal, sm_scale=sm_scale,
+                                              interpret=interpret)
+  zi = lambda a: np.zeros(a.shape, jax.dtypes.float0)
+  return dq, dk, dv, zi(sqs), zi(sks), zi(sl), zi(ns)
+
+
+_varlen.defvjp(_varlen_fwd, _varlen_bwd)
+
+
+def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, causal: bool,
+                     sm_scale: float, config: TuningConfig | None = None, interpret: bool = False,
+                     bwd_impl: str = "pallas"):
+  """Packed variable-length attention.
+
+  q: [T, Hq, D] bf16/f16; k, v: [Tk, Hkv, D]; seg_q_start / seg_kv_start / seg_len: int32
+  [S_cap]; num_segs: int32 scalar (segments >= num_segs are ignored). Segment s: queries
+  q[seg_q_start[s] : +seg_len[s]] attend keys k[seg_kv_start[s] : +seg_len[s]] (causal: key pos <=
+  query pos within the segment). Segments must not overlap in q (nor in k for the Pallas
+  backward). ``bwd_impl``: "pallas" (Mosaic GPU dQ, dK/dV kernels) or "xla". Returns (out [T, Hq, D] q.dtype,
+  lse [T, Hq] float32 natural log); rows in no segment get out = 0, lse = -inf.
+  """
+  config = TuningConfig() if config is None else config
+  seg = tuple(jnp.asarray(a, jnp.int32) for a in (seg_q_start, seg_kv_start, seg_len))
+  _check(q, k, v, seg, config)
+  if bwd_impl not in ("pallas", "xla"):
+    raise ValueError(f"bwd_impl must be 'pallas' or 'xla', got {bwd_impl!r}")
+  if not isinstance(sm_scale, (int, float)):
+    raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
+  return _varlen(q, k, v, *seg, jnp.asarray(num_segs, jnp.int32), bool(causal), float(sm_scale),
+                 config, bool(interpret), bwd_impl)

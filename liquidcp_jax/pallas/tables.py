@@ -1,0 +1,227 @@
+"""Task tables for the tile-attention kernels (host NumPy or on-device jnp, same code).
+
+A *segment* is a run of queries ``q[q_start : q_start + q_len]`` attending keys
+``k[kv_start : kv_start + kv_len]`` with token positions ``q_pos0 + i`` / ``kv_pos0 + j``
+(causal: a key is visible iff its position <= the query's position). Rows of ``q`` covered by no
+segment become "gap" tasks with no keys, so that every output row is written by exactly one task
+(out = 0, lse = -inf there) and no post-pass over ``out`` is needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Column order of the int32 task table (shape [capacity, NUM_FIELDS]).
+FIELDS = (
+    "q_base",   # first row of q / out the task's Q tile covers (tile rows: q_base .. q_base+block_q-1)
+    "q_lo",     # rows [q_lo, q_hi) of the tile are this task's; the rest belong to neighbours
+    "q_hi",
+    "kv_base",  # first row of k / v of KV tile 0; tile j covers kv_base + j*block_kv ...
+    "kv_lo",    # keys [kv_lo, kv_hi) (relative to kv_base) are the segment's keys
+    "kv_hi",
+    "diag",     # causal: key kk (rel. kv_base) visible to tile row r iff kk <= r + diag
+                #   (reverse tables, rows = keys, cols = queries: iff kk >= r + diag)
+    "t_lo",     # KV tiles to visit: t_lo .. n_tiles-1 (ordered); t_lo = 0 unless reverse
+    "n_tiles",
+    "full_lo",  # tiles [full_lo, full_hi) need no mask ("full"); the rest are "masked"
+    "full_hi",  # (causal diagonal or segment boundary): 0 <= full_lo <= full_hi <= n_tiles
+    "lse_slot", # LSE of tile row r goes to lse_pad[head, lse_slot * block_q + r]
+)
+NUM_FIELDS = len(FIELDS)
+ROW_ALIGN = 8  # q_base / kv_base are multiples of this (TMA into (8, 64)-tiled SMEM needs it)
+F = {name: i for i, name in enumerate(FIELDS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskTable:
+  """A fixed-capacity task table for one (q, k) buffer pair.
+
+  ``table``: int32 ``[capacity, NUM_FIELDS]`` (NumPy or a device array), one row per task, in
+  launch order (heaviest first). Task ``t`` is one Q tile of ``block_q`` rows starting at
+  ``q_base`` against the ordered KV tiles ``j = 0 .. n_tiles-1`` of ``block_kv`` rows starting at
+  ``kv_base + j*block_kv`` (``j`` from ``t_lo``, which is 0 unless ``reverse``); tile ``j`` is *full* (no mask) iff ``full_lo <= j < full_hi``, else
+  *masked*: key ``kk = j*block_kv + c`` is visible to tile row ``r`` iff ``kv_lo <= kk < kv_hi``
+  and (causal) ``kk <= r + diag`` (``kk >= r + diag`` for a ``reverse`` table, whose rows are
+  keys and whose tiles are query tiles: the dK/dV kernel's view). ``diag = q_pos(row 0) - kv_pos(key kv_base)`` carries the
+  absolute positions, so ring offsets and zigzag chunks need no copies. Only rows
+  ``[q_lo, q_hi)`` are stored to ``out``; the kernel clamps ``q_base`` / ``kv_base`` so that every
+  tile read stays inside the buffers (rows outside ``[q_lo, q_hi)`` / ``[kv_lo, kv_hi)`` are read
+  but masked or not stored). Unused capacity rows have ``q_lo == q_hi`` and ``n_tiles == 0``.
+
+  ``row_task`` / ``row_off``: int32 ``[Tq]``: the task index and tile row holding each q row (for
+  gathering the LSE from its per-task slots).
+  """
+  table: object
+  row_task: object
+  row_off: object
+  block_q: int
+  block_kv: int
+  causal: bool
+  capacity: int
+  reverse: bool = False
+
+  def __post_init__(self):
+    if self.block_q <= 0 or self.block_kv <= 0:
+      raise ValueError(f"block_q/block_kv must be positive, got {self.block_q}, {self.block_kv}")
+
+
+def task_capacity(tq: int, num_segs_cap: int, block_q: int) -> int:
+  """Static number of task slots: full tiles plus one partial tile per segment and per gap."""
+  return -(-tq // block_q) + 2 * num_segs_cap + 1
+
+
+def _cdiv(a, b):
+  return -((-a) // b)
+
+
+def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs, *, tq, tk,
+                     block_q, block_kv, causal, reverse=False, xp=np):
+  """Builds a :class:`TaskTable` from per-segment int32 arrays ``[S_cap]``.
+
+  Works with ``xp=numpy`` (host, in the data loader) or ``xp=jax.numpy`` (traced, inside jit: one
+  compiled kernel per capacity bucket). Requires ``tq >= block_q`` and ``tk % block_kv == 0``
+  (the API pads). Segments must not overlap in q (the API checks this on host inputs).
+  ``reverse=True`` builds the transposed table for dK/dV: pass the key segments as ``q_*`` and
+  the query segments as ``kv_*``; a column (query) is visible iff its position >= the row's.
+  """
+  if tq < block_q:
+    raise ValueError(f"tq={tq} must be >= block_q={block_q} (pad q)")
+  if tq % ROW_ALIGN:
+    raise ValueError(f"tq={tq} must be a multiple of {ROW_ALIGN} (pad q)")
+  if tk % block_kv or tk < block_kv:
+    raise ValueError(f"tk={tk} must be a positive multiple of block_kv={block_kv} (pad k/v)")
+  i32 = xp.int32
+  q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0 = (
+      xp.asarray(a).astype(i32) for a in (q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0))
+  s_cap = q_start.shape[0]
+  live = (xp.arange(s_cap, dtype=i32) < num_segs) & (q_len > 0)
+  q_len = xp.where(live, q_len, 0)
+  kv_len = xp.where(live, kv_len, 0)
+  # Gaps: sort live segments by q_start; the gap before each is [prev_end, start).
+  key = xp.where(live, q_start, tq)
+  order = xp.argsort(key, stable=True) if xp is not np else np.argsort(key, kind="stable")
+  s_start = key[order]
+  s_end = xp.where(live[order], s_start + q_len[order], tq)
+  prev_end = xp.concatenate([xp.zeros((1,), i32), s_end])
+  nxt = xp.concatenate([s_start, xp.full((1,), tq, i32)])
+  g_start = prev_end
+  g_len = xp.maximum(nxt - prev_end, 0)
+  z1 = xp.zeros((s_cap + 1,), i32)
+  # All entries (segments then gaps), sorted by q start so tasks come out in row order.
+  e_qs = xp.concatenate([q_start, g_start])
+  e_ql = xp.concatenate([q_len, g_len])
+  e_ks = xp.concatenate([kv_start, z1])
+  e_kl = xp.concatenate([kv_len, z1])
+  e_qp = xp.concatenate([q_pos0, z1])
+  e_kp = xp.concatenate([kv_pos0, z1])
+  e_key = xp.where(e_ql > 0, e_qs, tq)
+  eo = xp.argsort(e_key, stable=True) if xp is not np else np.argsort(e_key, kind="stable")
+  e_qs, e_ql, e_ks, e_kl, e_qp, e_kp = (a[eo] for a in (e_qs, e_ql, e_ks, e_kl, e_qp, e_kp))
+  skip = e_qs % ROW_ALIGN  # tiles of an entry start at its 8-aligned row
+  n_qt = xp.where(e_ql > 0, _cdiv(e_ql + skip, block_q), 0)
+  cum = xp.cumsum(n_qt).astype(i32)
+  cap = task_capacity(tq, s_cap, block_q)
+  t = xp.arange(cap, dtype=i32)
+  e = xp.searchsorted(cum, t, side="right").astype(i32)
+  used = e < e_qs.shape[0]
+  e = xp.minimum(e, e_qs.shape[0] - 1)
+  tile = t - (cum[e] - n_qt[e])
+  tile_row0 = e_qs[e] - skip[e] + tile * block_q
+  row0 = xp.maximum(tile_row0, e_qs[e])
+  q_valid = xp.where(used, xp.minimum(tile_row0 + block_q, e_qs[e] + e_ql[e]) - row0, 0)
+  row0 = xp.where(used, row0, tq)
+  tile_row0 = xp.where(used, tile_row0, tq)
+  q_base = xp.minimum(tile_row0, tq - block_q)
+  q_lo = row0 - q_base
+  q_hi = q_lo + q_valid
+  qpos_row0 = e_qp[e] + (row0 - e_qs[e]) - q_lo
+  kl = xp.where(used, e_kl[e], 0)
+  kskip = e_ks[e] % ROW_ALIGN
+  c = _cdiv(kl + kskip, block_kv)
+  kv_base = xp.clip(xp.minimum(e_ks[e] - kskip, tk - c * block_kv), 0, tk - block_kv)
+  kv_lo = xp.where(kl > 0, e_ks[e] - kv_base, 0)
+  kv_hi = kv_lo + kl
+  diag = qpos_row0 - (e_kp[e] - kv_lo)
+  f_lo = _cdiv(kv_lo, block_kv)
+  f_hi = kv_hi // block_kv
+  t_lo = xp.zeros_like(kv_lo)
+  if causal and not reverse:
+    end = xp.minimum(kv_hi, q_hi + diag)  # last valid row sees keys <= q_hi - 1 + diag
+    end = xp.where((end > kv_lo) & (q_valid > 0), end, 0)
+    f_hi = xp.minimum(f_hi, (q_lo + diag + 1) // block_kv)
+  elif causal:
+    start = xp.maximum(kv_lo, q_lo + diag)  # first valid row sees cols >= q_lo + diag
+    vis = (kv_hi > start) & (q_valid > 0)
+    end = xp.where(vis, kv_hi, 0)
+    t_lo = xp.where(vis, start // block_kv, 0)
+    f_lo = xp.maximum(f_lo, _cdiv(q_hi - 1 + diag, block_kv))
+  else:
+    end = xp.where(q_valid > 0, kv_hi, 0)
+  n_tiles = _cdiv(end, block_kv)
+  full_lo = xp.clip(f_lo, t_lo, xp.maximum(n_tiles, t_lo))
+  full_hi = xp.clip(f_hi, full_lo, xp.maximum(n_tiles, full_lo))
+  # Launch order: heaviest tasks first (causal tiles vary in length), so the tail is short.
+  work = n_tiles - t_lo
+  launch = xp.argsort(-work, stable=True) if xp is not np else np.argsort(-work, kind="stable")
+  inv = xp.zeros((cap,), i32)
+  inv = inv.at[launch].set(t) if xp is not np else _np_set(inv, launch, t)
+  cols = [q_base, q_lo, q_hi, kv_base, kv_lo, kv_hi, diag, t_lo, n_tiles, full_lo, full_hi, t]
+  table = xp.stack([col.astype(i32) for col in cols], axis=1)[launch]
+  # Row -> (launch index, tile row): tasks are in row order before the launch permutation.
+  rows = xp.arange(tq, dtype=i32)
+  ti = (xp.searchsorted(row0, rows, side="right") - 1).astype(i32)
+  ti = xp.clip(ti, 0, cap - 1)
+  row_off = (q_lo[ti] + rows - row0[ti]).astype(i32)
+  row_task = inv[ti]
+  return TaskTable(table=table, row_task=row_task, row_off=row_off, block_q=block_q,
+                   block_kv=block_kv, causal=causal, capacity=cap, reverse=reverse)
+
+
+def _np_set(a, idx, v):
+  a = a.copy()
+  a[idx] = v
+  return a
+
+
+def table_visibility(tt: TaskTable, tq: int, tk: int) -> np.ndarray:
+  """Host check: int array [tq, tk] counting how often each (query, key) pair is computed.
+
+  Expands every task's tiles and masks exactly as the kernel applies them (masked tiles use the
+  boundary / causal rule, full tiles take every key), counting only stored rows.
+  """
+  tab = np.asarray(tt.table)
+  cnt = np.zeros((tq, tk), np.int64)
+  bq, bkv = tt.block_q, tt.block_kv
+  for row in tab:
+    d = dict(zip(FIELDS, row))
+    if d["q_hi"] <= d["q_lo"]:
+      continue
+    r = np.arange(bq)[:, None]
+    for j in range(d["t_lo"], d["n_tiles"]):
+      kk = j * bkv + np.arange(bkv)[None, :]
+      if d["full_lo"] <= j < d["full_hi"]:
+        vis = np.ones((bq, bkv), bool)
+      else:
+        vis = (kk >= d["kv_lo"]) & (kk < d["kv_hi"])
+        if tt.causal:
+          vis = vis & ((kk >= r + d["diag"]) if tt.reverse else (kk <= r + d["diag"]))
+      vis = vis & (r >= d["q_lo"]) & (r < d["q_hi"])
+      qi, ki = np.nonzero(vis)
+      np.add.at(cnt, (d["q_base"] + qi, d["kv_base"] + j * bkv + ki), 1)
+  return cnt
+
+
+def segment_visibility(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs, tq, tk,
+                       causal) -> np.ndarray:
+  """Host reference: bool [tq, tk], True where query i may attend key j."""
+  m = np.zeros((tq, tk), bool)
+  for s in range(int(num_segs)):
+    ql, kl = int(q_len[s]), int(kv_len[s])
+    if ql <= 0 or kl <= 0:
+      continue
+    qp = int(q_pos0[s]) + np.arange(ql)[:, None]
+    kp = int(kv_pos0[s]) + np.arange(kl)[None, :]
+    vis = (kp <= qp) if causal else np.ones((ql, kl), bool)
+    m[int(q_start[s]):int(q_start[s]) + ql, int(kv_start[s]):int(kv_start[s]) + kl] |= vis
+  return m

@@ -1,0 +1,384 @@
+"""Backward of segment tile attention.
+
+Two Mosaic GPU kernels driven by task tables (see :mod:`tables`), causal included:
+- dQ (:func:`dq_kernel_call`): per (q head, Q task of 128 rows, 64 per compute warpgroup), stream
+  the KV tiles; recompute P from the saved LSE, dS = P * (dO V^T - delta), dQ += dS K.
+- dK/dV (:func:`dkv_kernel_call`): per (KV head, KV task of 128 rows) on the *reverse* table, stream
+  the Q / dO / LSE / delta tiles of every q head of the group; dK and dV accumulate in registers
+  over all of them (no atomics, no XLA reduction over the group).
+delta = rowsum(dO * O) is precomputed in XLA. The float64 reference backward is below.
+No schedule-barrier ping-pong or persistent scheduling yet (tuning headroom).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from liquidcp_jax.pallas import tables as tables_lib
+
+
+def reference_attention_bwd(q, k, v, do, q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0,
+                            num_segs, *, causal, sm_scale):
+  """Float64 NumPy gradients of out = softmax(q k^T * sm_scale, masked) v.
+
+  q: [Tq, Hq, D], k/v: [Tk, Hkv, D], do: [Tq, Hq, D]. Returns dq [Tq,Hq,D], dk, dv [Tk,Hkv,D].
+  """
+  q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  g = hq // hkv
+  vis = tables_lib.segment_visibility(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0,
+                                      num_segs, tq, tk, causal)
+  kh = np.repeat(k, g, axis=1)
+  vh = np.repeat(v, g, axis=1)
+  s = np.einsum("qhd,khd->hqk", q, kh, optimize=True) * sm_scale
+  s = np.where(vis[None], s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+  l = p.sum(-1, keepdims=True)
+  p = p / np.where(l > 0, l, 1.0)
+  out = np.einsum("hqk,khd->qhd", p, vh, optimize=True)
+  dv = np.einsum("hqk,qhd->khd", p, do, optimize=True)
+  dp = np.einsum("qhd,khd->hqk", do, vh, optimize=True)
+  delta = np.einsum("qhd,qhd->hq", do, out, optimize=True)[..., None]
+  ds = p * (dp - delta) * sm_scale
+  dq = np.einsum("hqk,khd->qhd", ds, kh, optimize=True)
+  dk = np.einsum("hqk,qhd->khd", ds, q, optimize=True)
+  dk = dk.reshape(tk, hkv, g, d).sum(2)
+  dv = dv.reshape(tk, hkv, g, d).sum(2)
+  return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# Pallas Mosaic GPU backward kernels.
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import math  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+import jax.experimental.pallas as pl  # noqa: E402
+import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
+
+from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store  # noqa: E402
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTuningConfig:
+  """Backward tiles: each compute warpgroup owns 64 rows (Q rows for dQ, K rows for dK/dV);
+  ``block_kv_dq`` keys per streamed tile in dQ, ``block_q_dkv`` queries per tile in dK/dV."""
+  block_kv_dq: int = 64
+  block_q_dkv: int = 64
+  max_concurrent_steps: int = 2
+
+  def __post_init__(self):
+    for name in ("block_kv_dq", "block_q_dkv"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"{name} must be 64 or 128, got {getattr(self, name)}")
+    if not 2 <= self.max_concurrent_steps <= 4:
+      raise ValueError(f"max_concurrent_steps must be in [2, 4], got {self.max_concurrent_steps}")
+
+
+_ROWS = 64  # rows per compute warpgroup (one wgmma M tile)
+_TF = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _kw(interpret):
+  return {"interpret": plgpu.InterpretGPUParams(uninitialized_memory="zero")} if interpret else {}
+
+
+def _mask(shape, r0, c0, kv_lo, kv_hi, diag, causal, reverse):
+  rr = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + r0
+  kk = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + c0
+  ok = (kk >= kv_lo) & (kk < kv_hi)
+  if causal:
+    ok = ok & ((kk >= rr + diag) if reverse else (kk <= rr + diag))
+  return ok
+
+
+def _mm_reg_lhs(acc, lhs, rhs_smem, stage_smem, interpret):
+  """acc + lhs @ rhs_smem, lhs in registers (staged through SMEM in interpret mode)."""
+  if interpret:
+    stage_smem[...] = lhs
+    plgpu.commit_smem()
+
+    def scope(ref):
+      plgpu.wgmma(ref, stage_smem, rhs_smem)
+      return ref[...]
+
+    return acc + pl.run_scoped(scope, plgpu.ACC(acc.shape, jnp.float32))
+
+  def st(ref):
+    plgpu.wgmma(ref, lhs, rhs_smem)
+
+  return pl.run_state(st)(plgpu.ACC.init(acc))
+
+
+def _mm_t(a_smem, b_smem, shape):
+  def scope(ref):
+    plgpu.wgmma(ref, a_smem, b_smem.transpose((1, 0)))
+    return ref[...]
+
+  return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale,
+                   config: BwdTuningConfig, interpret=False):
+  """dQ. q/do: [Tq, Hq, D], k/v: [Tk, Hkv, D], lse2/delta: f32 [Hq, Tq] (lse2 = lse*log2(e),
+  +inf where a row has no keys), table: forward-direction table (block_q=128,
+  block_kv=config.block_kv_dq). Returns dq [Tq, Hq, D] (rows of the table's tasks)."""
+  tq, hq, d = q.shape
+  hkv = k.shape[1]
+  group = hq // hkv
+  dtype = q.dtype
+  bkv, mcs = config.block_kv_dq, config.max_concurrent_steps
+  scale2 = float(sm_scale) * _LOG2E
+  from liquidcp_jax.pallas.tables import F, ROW_ALIGN
+
+  def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, sc):
+    (q_s2, do_s2, lse_s2, dl_s2, k_s, v_s, o_s2, st_s2), in_bars, (k_bar, v_bar), (k_used, v_used) = sc
+    head = lax.axis_index("heads")
+    task = lax.axis_index("tasks")
+    wg = lax.axis_index("wg")
+    get = lambda n: tab[task, F[n]]
+    n_tiles = get("n_tiles")
+    q_base = pl.multiple_of(get("q_base"), ROW_ALIGN)
+    kv_base = pl.multiple_of(get("kv_base"), ROW_ALIGN)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      kv_lo, kv_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
+      full_lo, full_hi = get("full_lo"), get("full_hi")
+      r0 = wg * _ROWS
+      rows = pl.ds(q_base + r0, _ROWS)
+      srcs = ((q_ref.at[rows, head], q_s2), (do_ref.at[rows, head], do_s2),
+              (lse_ref.at[head, rows], lse_s2), (dl_ref.at[head, rows], dl_s2))
+      for (src, dst), bar in zip(srcs, in_bars):
+        plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
+      for bar in in_bars:
+        plgpu.barrier_wait(bar.at[wg])
+      q_s, do_s, st_s = q_s2.at[wg], do_s2.at[wg], (st_s2.at[wg] if interpret else None)
+      lse = plgpu.load(lse_s2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      dlt = plgpu.load(dl_s2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      dq = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+      def step(j, dq, masked):
+        slot = lax.rem(j, jnp.int32(mcs))
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = _mm_t(q_s, k_s.at[slot], (_ROWS, bkv)) * scale2
+        if masked:
+          s = jnp.where(_mask(s.shape, r0, j * bkv, kv_lo, kv_hi, diag, causal, False), s, -jnp.inf)
+        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+        plgpu.barrier_wait(v_bar.at[slot])
+        dp = _mm_t(do_s, v_s.at[slot], (_ROWS, bkv))
+        plgpu.barrier_arrive(v_used.at[slot])
+        ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
+        dq = _mm_reg_lhs(dq, ds.astype(dtype), k_s.at[slot], st_s, interpret)
+        plgpu.barrier_arrive(k_used.at[slot])
+        return dq
+
+      dq = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), dq)
+      dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+      dq = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True), dq)
+      o_s = o_s2.at[wg]
+      o_s[...] = (dq * sm_scale).astype(dtype)
+      plgpu.commit_smem()
+      lo = jnp.clip(get("q_lo") - r0, 0, _ROWS)
+      hi = jnp.clip(get("q_hi") - r0, 0, _ROWS)
+      _ladder_store(o_s, lambda off, n: dq_ref.at[pl.ds(q_base + r0 + off, n), head], lo, hi - lo,
+                    _ROWS)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(head, jnp.int32(group))
+
+      def issue(j, slot):
+        rows = pl.ds(kv_base + j * bkv, bkv)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_s.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_s.at[slot], v_bar.at[slot])
+
+      for i in range(mcs):
+        pl.when(i < n_tiles)(functools.partial(issue, i, i))
+
+      @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
+      def _(j):
+        slot = lax.rem(j, jnp.int32(mcs))
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+        issue(j, slot)
+
+      @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
+      def _(j):
+        slot = lax.rem(j, jnp.int32(mcs))
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+
+  def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref):
+    scratch = [
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=_TF()),
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=_TF()),
+        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=_TF()),
+        plgpu.SMEM((2, _ROWS, d), dtype),
+        plgpu.SMEM((2, _ROWS, bkv), dtype, transforms=_TF()) if interpret else None,
+    ]
+    pl.run_scoped(
+        lambda *a: kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, a),
+        scratch,
+        tuple(plgpu.Barrier(num_barriers=2) for _ in range(4)),
+        (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),) * 2,
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      entry, out_type=jax.ShapeDtypeStruct((tq, hq, d), dtype), grid=(hq, n_tasks),
+      grid_names=("heads", "tasks"), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), **_kw(interpret),
+  )(table, q, k, v, do, lse2, delta)
+
+
+def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale,
+                    config: BwdTuningConfig, interpret=False):
+  """dK, dV, summed over each KV head's q heads in registers (no atomics, no XLA reduction).
+
+  table: reverse table (rows = keys, block_q=128; cols = queries, block_kv=config.block_q_dkv).
+  q/do: [Tq, Hq, D] with Tq % block_q_dkv == 0; lse2/delta: f32 [Hq, Tq]. Returns dk, dv
+  [Tk, Hkv, D] in k.dtype.
+  """
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  group = hq // hkv
+  dtype = q.dtype
+  bc, mcs = config.block_q_dkv, config.max_concurrent_steps
+  scale2 = float(sm_scale) * _LOG2E
+  from liquidcp_jax.pallas.tables import F, ROW_ALIGN
+
+  def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, sc):
+    (k_s2, v_s2, q_s, do_s, lse_s, dl_s, ok_s2, ov_s2, st_s2), in_bars, bars, used = sc
+    kvh = lax.axis_index("heads")
+    task = lax.axis_index("tasks")
+    wg = lax.axis_index("wg")
+    get = lambda n: tab[task, F[n]]
+    t_lo, n_tiles = get("t_lo"), get("n_tiles")
+    nt = n_tiles - t_lo
+    row_base = pl.multiple_of(get("q_base"), ROW_ALIGN)
+    col_base = pl.multiple_of(get("kv_base"), ROW_ALIGN)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      c_lo, c_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
+      full_lo, full_hi = get("full_lo"), get("full_hi")
+      r0 = wg * _ROWS
+      rows = pl.ds(row_base + r0, _ROWS)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_s2.at[wg], in_bars[0].at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_s2.at[wg], in_bars[1].at[wg])
+      plgpu.barrier_wait(in_bars[0].at[wg])
+      plgpu.barrier_wait(in_bars[1].at[wg])
+      k_s, v_s, st_s = k_s2.at[wg], v_s2.at[wg], (st_s2.at[wg] if interpret else None)
+      zero = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+      def step(g, j, carry, masked):
+        dk, dv = carry
+        c = g * nt + (j - t_lo)
+        slot = lax.rem(c, jnp.int32(mcs))
+        q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
+        plgpu.barrier_wait(q_bar)
+        st = _mm_t(k_s, q_s.at[slot], (_ROWS, bc)) * scale2
+        if masked:
+          st = jnp.where(_mask(st.shape, r0, j * bc, c_lo, c_hi, diag, causal, True), st, -jnp.inf)
+        plgpu.barrier_wait(lse_bar)
+        lse = plgpu.load(lse_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+        plgpu.barrier_wait(do_bar)
+        dv = _mm_reg_lhs(dv, pt.astype(dtype), do_s.at[slot], st_s, interpret)
+        dpt = _mm_t(v_s, do_s.at[slot], (_ROWS, bc))
+        plgpu.barrier_wait(dl_bar)
+        dl = plgpu.load(dl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        dst = pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))
+        dk = _mm_reg_lhs(dk, dst.astype(dtype), q_s.at[slot], st_s, interpret)
+        plgpu.barrier_arrive(used.at[slot])
+        return dk, dv
+
+      def head_body(g, carry):
+        carry = lax.fori_loop(t_lo, full_lo, functools.partial(step, g, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g, masked=False), carry)
+        return lax.fori_loop(full_hi, n_tiles, functools.partial(step, g, masked=True), carry)
+
+      dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
+      ok_s, ov_s = ok_s2.at[wg], ov_s2.at[wg]
+      ok_s[...] = (dk * sm_scale).astype(dtype)
+      ov_s[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      lo = jnp.clip(get("q_lo") - r0, 0, _ROWS)
+      hi = jnp.clip(get("q_hi") - r0, 0, _ROWS)
+      _ladder_store(ok_s, lambda off, n: dk_ref.at[pl.ds(row_base + r0 + off, n), kvh], lo,
+                    hi - lo, _ROWS)
+      _ladder_store(ov_s, lambda off, n: dv_ref.at[pl.ds(row_base + r0 + off, n), kvh], lo,
+                    hi - lo, _ROWS)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      total = group * nt
+
+      def issue(c, slot):
+        g = lax.div(c, jnp.maximum(nt, 1))
+        j = t_lo + c - g * nt
+        qh = kvh * group + g
+        cols = pl.ds(col_base + j * bc, bc)
+        q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
+        plgpu.copy_gmem_to_smem(q_ref.at[cols, qh], q_s.at[slot], q_bar)
+        plgpu.copy_gmem_to_smem(lse_ref.at[qh, cols], lse_s.at[slot], lse_bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[cols, qh], do_s.at[slot], do_bar)
+        plgpu.copy_gmem_to_smem(dl_ref.at[qh, cols], dl_s.at[slot], dl_bar)
+
+      for i in range(mcs):
+        pl.when(i < total)(functools.partial(issue, jnp.int32(i), i))
+
+      @pl.loop(mcs, jnp.maximum(total, mcs))
+      def _(c):
+        slot = lax.rem(c, jnp.int32(mcs))
+        plgpu.barrier_wait(used.at[slot])
+        issue(c, slot)
+
+      @pl.loop(jnp.maximum(total - mcs, 0), total)
+      def _(c):
+        plgpu.barrier_wait(used.at[lax.rem(c, jnp.int32(mcs))])
+
+  def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref):
+    scratch = [
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=_TF()),
+        plgpu.SMEM((2, _ROWS, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bc, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bc, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bc), jnp.float32),
+        plgpu.SMEM((mcs, bc), jnp.float32),
+        plgpu.SMEM((2, _ROWS, d), dtype),
+        plgpu.SMEM((2, _ROWS, d), dtype),
+        plgpu.SMEM((2, _ROWS, bc), dtype, transforms=_TF()) if interpret else None,
+    ]
+    pl.run_scoped(
+        lambda *a: kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, a),
+        scratch,
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
+        tuple(plgpu.Barrier(num_barriers=mcs) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+        collective_axes="wg",
+    )
+
+  shp = jax.ShapeDtypeStruct((tk, hkv, d), dtype)
+  return plgpu.kernel(
+      entry, out_type=(shp, shp), grid=(hkv, n_tasks), grid_names=("heads", "tasks"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), **_kw(interpret),
+  )(table, q, k, v, do, lse2, delta)

@@ -1,0 +1,282 @@
+"""Task-table-driven tile attention forward (Pallas Mosaic GPU, Hopper sm_90a).
+
+One CTA per (q head, task). Three warpgroups: two compute warpgroups each own ``block_q`` rows of
+the task's ``2*block_q``-row Q tile, one producer warpgroup streams the task's KV tiles by TMA
+into a ring of ``max_concurrent_steps`` SMEM slots. The compute warpgroups ping-pong on a
+schedule barrier so that one's softmax overlaps the other's wgmma. The KV tile of a q head's
+group is fetched per CTA; q heads of one KV head are adjacent in the grid so the re-reads hit L2.
+
+Masking comes from the table (see :class:`tables.TaskTable`): tiles ``[full_lo, full_hi)`` run
+the unmasked body, the others apply the segment-boundary and causal rule. Outputs are stored
+row-exactly into ``out`` with a ladder of power-of-two TMA stores (so neighbouring segments'
+rows are never touched), and LSE (natural log) goes to per-task slots gathered by the caller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from liquidcp_jax.pallas import tables as tables_lib
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Forward tile sizes. The task tile is ``2 * block_q`` rows (two compute warpgroups)."""
+  block_q: int = 64
+  block_kv: int = 128
+  max_concurrent_steps: int = 2
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q}")
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
+    if not 2 <= self.max_concurrent_steps <= 4:
+      raise ValueError(f"max_concurrent_steps must be in [2, 4], got {self.max_concurrent_steps}")
+
+  @property
+  def task_rows(self) -> int:
+    return 2 * self.block_q
+
+
+def _ladder_store(smem, gref_rows, start, size, max_rows):
+  """Stores smem rows [start, start+size) to gref_rows(row0, n) using power-of-two TMA boxes."""
+  n = 1 << int(math.log2(max_rows))
+  off = start
+  while n >= 1:
+    nn = n
+
+    @pl.when((size & nn) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(smem.at[pl.ds(off, nn)], gref_rows(off, nn))
+
+    off = off + (size & nn)
+    n //= 2
+
+
+def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: float,
+                       config: TuningConfig, interpret: bool = False):
+  """Runs the forward kernel.
+
+  q: [Tq, Hq, D], k/v: [Tk, Hkv, D] (Tq >= 2*block_q, Tk % block_kv == 0), table: int32
+  [n_tasks, NUM_FIELDS] built with block_q = config.task_rows. Returns out [Tq, Hq, D] (q.dtype;
+  rows of capacity tasks only) and lse_pad [Hq, n_tasks * task_rows] float32 (natural log).
+  """
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  dtype = q.dtype
+  bq, bkv, mcs = config.block_q, config.block_kv, config.max_concurrent_steps
+  tr = config.task_rows
+  group = hq // hkv
+  scale2 = float(sm_scale) * _LOG2E
+  fld = tables_lib.F
+
+  def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
+    k_bar, v_bar, q_bar = bars
+    k_used, v_used = consumed
+    head = lax.axis_index("heads")
+    task = lax.axis_index("tasks")
+    wg = lax.axis_index("wg")
+    get = lambda name: tab_ref[task, fld[name]]
+    q_lo, q_hi, n_tiles = get("q_lo"), get("q_hi"), get("n_tiles")
+    # The builder aligns tile bases to 8 rows; tiled-SMEM TMA needs that proven statically.
+    q_base = pl.multiple_of(get("q_base"), tables_lib.ROW_ALIGN)
+    kv_base = pl.multiple_of(get("kv_base"), tables_lib.ROW_ALIGN)
+
+    def sched_sync():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      kv_lo, kv_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
+      full_lo, full_hi = get("full_lo"), get("full_hi")
+      q_smem = q_smem2.at[wg]
+      o_smem = o_smem2.at[wg]
+      r0 = wg * bq  # this warpgroup's first row inside the task tile
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + r0, bq), head], q_smem, q_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+      @pl.when(n_tiles > 0)
+      def _():
+        plgpu.barrier_wait(k_bar.at[0])
+
+      pl.when(wg == 1)(sched_sync)
+
+      def step(j, carry, masked):
+        acc, m_i, l_i = carry
+        slot = lax.rem(j, jnp.int32(mcs))
+
+        def qk_scope(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          sched_sync()
+          return s_ref[...]
+
+        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_used.at[slot])
+        s = s * scale2  # log2 units: p = exp2(s - m)
+        if masked:
+          rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + r0
+          kk = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
+          ok = (kk >= kv_lo) & (kk < kv_hi)
+          if causal:
+            ok = ok & (kk <= rr + diag)
+          s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        if masked:
+          # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid NaN.
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+          m_use = m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched)
+
+        def prefetch_wait():
+          nxt = j + 1
+
+          @pl.when(nxt < n_tiles)
+          def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(mcs))])
+
+        if interpret:
+          # The CPU interpreter has no register-LHS wgmma nor run_state: stage P through SMEM.
+          p_smem = p_smem2.at[wg]
+          p_smem[...] = p16
+          plgpu.commit_smem()
+
+          def pv_scope(pv_ref):
+            plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+            prefetch_wait()
+            return pv_ref[...]
+
+          acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((bq, d), jnp.float32))
+        else:
+          def pv_state(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            prefetch_wait()
+
+          acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_used.at[slot])
+        return acc, m_new, l_i
+
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+      acc, m_i, l_i = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True), carry)
+      pl.when(wg == 0)(sched_sync)
+
+      empty = l_i == 0.0
+      inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
+      o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+      lse_smem = lse_smem2.at[wg]
+      lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+      plgpu.commit_smem()
+      lo = jnp.clip(q_lo - r0, 0, bq)
+      hi = jnp.clip(q_hi - r0, 0, bq)
+      _ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
+                    lo, hi - lo, bq)
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(task * tr + r0, bq)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(head, jnp.int32(group))
+
+      def issue(j, slot):
+        rows = pl.ds(kv_base + j * bkv, bkv)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(mcs):
+        pl.when(i < n_tiles)(functools.partial(issue, i, i))
+
+      @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
+      def _(j):
+        slot = lax.rem(j, jnp.int32(mcs))
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+        issue(j, slot)
+
+      # Observe the last consumptions too, so every barrier phase is seen before teardown.
+      @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
+      def _(j):
+        slot = lax.rem(j, jnp.int32(mcs))
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+
+  def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+    tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [
+        plgpu.SMEM((2, bq, d), dtype, transforms=tf),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+        plgpu.SMEM((2, bq, d), dtype),  # untiled: the row ladder slices it at any row
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
+    ]
+    pl.run_scoped(
+        lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, a),
+        scratch,
+        (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
+         plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  out_type = (jax.ShapeDtypeStruct((tq, hq, d), dtype),
+              jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
+  kw = {}
+  if interpret:
+    kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="zero")
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=(hq, n_tasks), grid_names=("heads", "tasks"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), **kw,
+  )(table, q, k, v)
+
+
+def reference_attention(q, k, v, q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs, *,
+                        causal, sm_scale):
+  """Float64 NumPy reference for segment attention. Returns (out [Tq,Hq,D], lse [Tq,Hq])."""
+  import numpy as np
+  q = np.asarray(q, np.float64); k = np.asarray(k, np.float64); v = np.asarray(v, np.float64)
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  vis = tables_lib.segment_visibility(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0,
+                                      num_segs, tq, tk, causal)
+  kh = np.repeat(k, hq // hkv, axis=1)
+  vh = np.repeat(v, hq // hkv, axis=1)
+  s = np.einsum("qhd,khd->hqk", q, kh, optimize=True) * sm_scale
+  s = np.where(vis[None], s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  ms = np.where(np.isfinite(m), m, 0.0)
+  p = np.exp(s - ms)
+  l = p.sum(-1, keepdims=True)
+  out = np.einsum("hqk,khd->qhd", p / np.where(l > 0, l, 1.0), vh, optimize=True)
+  lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + ms[..., 0], -np.inf)
+  return out, lse.T
