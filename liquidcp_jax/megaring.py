@@ -44,6 +44,7 @@ class PlanStatic:
     task_tiles: int
     causal: bool
     num_tokens: int
+    all_local: bool = False   # every group has size 1: no KV exchange (the Pallas one-step path)
 
     @property
     def local_capacity(self) -> int:
@@ -64,26 +65,29 @@ class MegaRingPlan:
       tables: ``MegaRingTables`` of int32 arrays with leading dim ``N`` (devices).
       shard_src: ``[N * capacity]`` int32 packed-token index feeding each CP slot (``T`` = padding).
       unshard_src: ``[T]`` int32 CP slot of each packed token.
+      segments: ``(seg_start [N, S_cap], seg_len [N, S_cap], seg_count [N, 1])`` int32: each device's
+        local sequences as contiguous rows of its shard (used when every group has size 1).
       placement: the ``planning.Placement`` (host only; ``None`` inside ``jit``).
       sequences: ``SequenceInfo`` with per-sequence chunk sizes and ``tau_min`` / ``tau_max`` (host only).
     """
 
-    def __init__(self, static: PlanStatic, tables: MegaRingTables, shard_src, unshard_src,
+    def __init__(self, static: PlanStatic, tables: MegaRingTables, shard_src, unshard_src, segments,
                  placement=None, sequences: SequenceInfo | None = None):
         self.static = static
         self.tables = tables
+        self.segments = segments
         self.shard_src = shard_src
         self.unshard_src = unshard_src
         self.placement = placement
         self.sequences = sequences
 
     def tree_flatten(self):
-        return (self.tables.arrays() + (self.shard_src, self.unshard_src)), self.static
+        return (self.tables.arrays() + (self.shard_src, self.unshard_src) + tuple(self.segments)), self.static
 
     @classmethod
     def tree_unflatten(cls, static, leaves):
-        *tb, shard_src, unshard_src = leaves
-        return cls(static, MegaRingTables(*tb), shard_src, unshard_src)
+        *tb, shard_src, unshard_src, s0, s1, s2 = leaves
+        return cls(static, MegaRingTables(*tb), shard_src, unshard_src, (s0, s1, s2))
 
     @property
     def mesh(self) -> Mesh:
@@ -214,9 +218,35 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
     layout = build_layout(lengths, pl.starts, pl.sizes, N, tile_size, capacity.get("sections"))
     tables, seqinfo, _slots, _caps = build_tables(layout, pl.starts, pl.sizes, lengths, causal=causal,
                                                   task_tiles=task_tiles, min_caps=capacity)
+    all_local = bool(np.all(pl.sizes == 1))
     static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
-                        int(task_tiles), bool(causal), int(sum(lengths)))
-    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, pl, seqinfo)
+                        int(task_tiles), bool(causal), int(sum(lengths)), all_local)
+    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, _local_segments(layout, pl),
+                        pl, seqinfo)
+
+
+def _local_segments(layout, pl):
+    """Per-device contiguous local sequences (size-1 groups keep chunks 0 and 1 adjacent)."""
+    N, n_tiles = layout.tile_seq.shape
+    B = layout.shard_src.shape[0] // (N * n_tiles)
+    rows = [[] for _ in range(N)]
+    for i, (g, L) in enumerate(zip(pl.groups, pl.lengths)):
+        if g.size == 1:
+            first = int(np.nonzero(layout.tile_seq[g.start] == i)[0][0])
+            rows[g.start].append((first * B, L))
+    cap = _bucket_count(max(len(r) for r in rows))
+    start = np.zeros((N, cap), np.int32)
+    length = np.zeros((N, cap), np.int32)
+    count = np.zeros((N, 1), np.int32)
+    for d, r in enumerate(rows):
+        count[d, 0] = len(r)
+        for j, (a, L) in enumerate(r):
+            start[d, j], length[d, j] = a, L
+    return start, length, count
+
+
+def _bucket_count(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------- the op
@@ -290,8 +320,10 @@ def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = T
     """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]`` f32."""
     d = _check_inputs(q, k, v, plan, causal)
     scale = d ** -0.5 if scale is None else float(scale)
-    backend = _resolve_backend(backend, q, d)
-    del backend  # only the XLA executor runs multi-device tables today
+    if backend == "pallas":
+        raise ValueError('megaring_attention_with_lse: the Pallas kernels do not propagate LSE cotangents; '
+                         'use backend="xla" (or megaring_attention, which can use Pallas)')
+    _resolve_backend("xla" if backend == "auto" else backend, q, d, plan)
     sh = plan.sharding
     tables = tuple(_constrain(jnp.asarray(x), sh) for x in plan.tables.arrays())
     q, k, v = (_constrain(x, sh) for x in (q, k, v))
@@ -312,20 +344,49 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scal
     Returns:
       ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
     """
-    return megaring_attention_with_lse(q, k, v, plan, causal=causal, scale=scale, backend=backend)[0]
+    d = _check_inputs(q, k, v, plan, causal)
+    if _resolve_backend(backend, q, d, plan) == "pallas":
+        scale = d ** -0.5 if scale is None else float(scale)
+        return pallas_one_step(q, k, v, plan, scale=scale)
+    return megaring_attention_with_lse(q, k, v, plan, causal=causal, scale=scale, backend="xla")[0]
 
 
-def _resolve_backend(backend: str, q, head_dim: int) -> str:
+def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: bool = False):
+    """The compute-only / one-step execution (paper §2.2): every sequence is local to one device, so
+    each device runs the Pallas task-table kernel over its own packed segments. Differentiable."""
+    from liquidcp_jax.pallas import api as pallas_api
+    static = plan.static
+    sh = plan.sharding
+    segs = tuple(_constrain(jnp.asarray(x), sh) for x in plan.segments)
+    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+
+    def f(q, k, v, start, length, count):
+        out, _ = pallas_api.varlen_attention(q, k, v, start[0], start[0], length[0], count[0, 0],
+                                             causal=static.causal, sm_scale=scale, interpret=interpret)
+        return (out,)
+
+    return _local(f, static, 6, 1)(q, k, v, *segs)[0]
+
+
+def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:
+    """``"pallas"`` when it can run this call (and was asked for, or ``"auto"``), else ``"xla"``."""
     if backend not in ("auto", "xla", "pallas"):
         raise ValueError(f'backend must be "auto", "xla" or "pallas"; got {backend!r}')
+    if backend == "xla":
+        return "xla"
+    from liquidcp_jax.pallas import api as pallas_api
+    ok, why = pallas_api.is_supported(q.dtype, head_dim)
+    if ok and not plan.static.all_local:
+        ok, why = False, ("KV exchange between devices is not in the Pallas engine yet (it runs plans whose "
+                          "groups all have size 1)")
     if backend == "pallas":
-        raise NotImplementedError(
-            'backend="pallas" for megaring_attention is not implemented yet (the Mosaic GPU engine lands '
-            'with the kernel issue); use backend="xla" or "auto"')
-    if backend == "auto":
-        if any(dev.platform == "gpu" for dev in jax.devices()):
-            warnings.warn("megaring_attention: the Pallas engine is not available; using the XLA executor",
-                          stacklevel=3)
+        if not ok:
+            raise ValueError(f'backend="pallas" cannot run here: {why}')
+        return "pallas"
+    if ok:
+        return "pallas"
+    if any(dev.platform == "gpu" for dev in plan.mesh.devices.flat):
+        warnings.warn(f"megaring_attention: using the XLA executor ({why})", stacklevel=3)
     return "xla"
 
 

@@ -84,11 +84,17 @@ def test_unknown_axis_and_other_mesh(mesh8, rng):
         lcp.plan_megaring([40, 24], mesh8, placement=planning.all_cp([40, 24], 4))
 
 
-def test_pallas_backend_not_yet(mesh8, rng):
+def test_pallas_backend_errors_off_hopper(mesh8, rng):
     plan = lcp.plan_megaring([16], mesh8, placement="all_cp", tile_size=8)
     q, k, v = random_qkv(rng, 16, 2, 2, 8)
-    with pytest.raises(NotImplementedError, match="pallas"):
-        lcp.megaring_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan, backend="pallas")
+    args = (plan.shard(q), plan.shard(k), plan.shard(v), plan)
+    with pytest.raises(ValueError, match='backend="pallas" cannot run here'):
+        lcp.megaring_attention(*args, backend="pallas")
+    with pytest.raises(ValueError, match="LSE"):
+        lcp.megaring_attention_with_lse(*args, backend="pallas")
+    # "auto" falls back to the XLA executor on a CPU
+    out = lcp.megaring_attention(*args, backend="auto")
+    assert out.shape == (plan.cp_tokens, 2, 8)
 
 
 def test_auto_mesh_axis_types(rng):

@@ -1,0 +1,63 @@
+"""MegaRing's Pallas one-step path (every sequence local): interpret mode on CPU, the real kernel on a GPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import liquidcp_jax as lcp
+from liquidcp_jax import megaring, planning
+from liquidcp_jax import reference as ref
+
+from _cases import random_qkv
+
+
+def _local_placement(lengths, n):
+    return planning.Placement(tuple(lengths), n, tuple(planning.Group(i % n, 1) for i in range(len(lengths))))
+
+
+def _check(plan, lengths, q, k, v, do, run):
+    T = sum(lengths)
+    f64 = [np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in (q, k, v, do)]
+    out = jax.jit(run)(q, k, v, plan)
+    grads = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(run(q, k, v, p).astype(jnp.float32) * do.astype(jnp.float32)),
+                             argnums=(0, 1, 2)))(q, k, v, plan)
+    ro, _ = ref.attention_reference(*f64[:3], lengths)
+    rg = ref.attention_reference_vjp(*f64, lengths)
+    assert out.shape == (T,) + q.shape[1:]
+    assert ref.rel_error(out, ro) < 2e-2
+    for g, r in zip(grads, rg):
+        assert ref.rel_error(g, r) < 2e-2
+
+
+def test_pallas_one_step_interpret(rng):
+    # The Mosaic GPU interpreter keeps one global shared-memory model, so one device here.
+    mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    lengths = [70, 1, 130]
+    plan = lcp.plan_megaring(lengths, mesh, placement=_local_placement(lengths, 1), tile_size=64)
+    assert plan.static.all_local
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, sum(lengths), 2, 1, 64))
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+
+    def run(q, k, v, p):
+        o = megaring.pallas_one_step(p.shard(q), p.shard(k), p.shard(v), p, scale=64 ** -0.5, interpret=True)
+        return p.unshard(o)
+
+    _check(plan, lengths, q, k, v, do, run)
+
+
+@pytest.mark.gpu
+def test_megaring_pallas_backend_gpu(rng):
+    from liquidcp_jax.pallas import api as pallas_api
+    ok, why = pallas_api.is_supported(jnp.bfloat16, 128)
+    if not ok:
+        pytest.skip(why)
+    mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    lengths = [1000, 1, 4097, 300, 2048]
+    plan = lcp.plan_megaring(lengths, mesh, placement="all_cp")
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, sum(lengths), 8, 2, 128))
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+
+    def run(q, k, v, p):
+        return p.unshard(lcp.megaring_attention(p.shard(q), p.shard(k), p.shard(v), p, backend="pallas"))
+
+    _check(plan, lengths, q, k, v, do, run)
