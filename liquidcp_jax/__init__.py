@@ -7,12 +7,14 @@ Public API::
     o_cp = lcp.megaring_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
 """
 from liquidcp_jax import planning, reference, state
+from liquidcp_jax.megadcp import MegaDcpPlan, megadcp_attention, plan_megadcp
 from liquidcp_jax.megaring import (MegaRingPlan, megaring_attention, megaring_attention_with_lse,
                                    plan_megaring)
 
 __version__ = "0.1.0"
 
-__all__ = ["MegaRingPlan", "megaring_attention", "megaring_attention_with_lse", "plan_megaring",
+__all__ = ["MegaDcpPlan", "megadcp_attention", "plan_megadcp", "MegaRingPlan", "megaring_attention",
+           "megaring_attention_with_lse", "plan_megaring",
            "planning", "reference", "state", "nn"]
 
 

@@ -1,4 +1,6 @@
 """Critical-wave model (paper §5.2, Fig. 8), FA3 split heuristic and split search."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -209,3 +211,129 @@ def test_calibrate_recovers_parameters():
     assert rmse["reduction_us"] < 0.05
     with pytest.raises(ValueError, match="attention_busy_us"):
         cw.calibrate(att[:3], red, tiles, splits, num_ctas=6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Regression, compiled engine, optimized search
+# ----------------------------------------------------------------------------------------------
+
+native = pytest.mark.skipif(not cw.native_available(),
+                            reason="compiled extension liquidcp_jax.planning._cw_native not built")
+ENGINES = ["python"] + (["native"] if cw.native_available() else [])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_regression_later_shorter_split_sets_readiness(engine):
+    # 3 tiles in 2 splits -> tasks of 2 and 1 tiles on K = 2 CTAs, rho = 1 (tau = 1), no
+    # overhead: they run [0, 2] and [0, 1]. The sequence's one merge (v = 1, s = 2) costs
+    # 3 + 0.5 * 2 = 4 and may start only when *both* inputs are done (t = 2) on the warp
+    # released at 1: 2 + 4 = 6. The bulk path once took the later-queued, shorter split's end
+    # (1) as the sequence's readiness and returned 5.
+    p = cw.Params(num_ctas=2, rho=1.0, delta_attn=0, delta_red=3, gamma=0.5, warps_per_cta=1)
+    kw = dict(chunk_tiles=[], vectors=[1], query_tiles=[1], order="fifo", copy_run=2)
+    assert cw.simulate([3], [2], p, engine=engine, **kw) == 6.0
+    s, tl = cw.simulate([3], [2], p, return_timeline=True, **kw)
+    assert s == 6.0 and tl.red_start.tolist() == [2.0] and sorted(tl.attn_end) == [1.0, 2.0]
+
+
+def _random_case(data, max_tiles=300, max_qt=3, max_vec=9):
+    tiles = data.draw(st.lists(st.integers(0, max_tiles), min_size=1, max_size=7))
+    S = len(tiles)
+    splits = [data.draw(st.integers(1, max(1, n))) for n in tiles]
+    params = cw.Params(num_ctas=data.draw(st.integers(1, 6)), rho=data.draw(st.floats(0.1, 1.0)),
+                       delta_attn=data.draw(st.integers(0, 8)),
+                       delta_red=data.draw(st.sampled_from([0.0, 1.5, 3.0])),
+                       gamma=data.draw(st.sampled_from([0.0, 0.5, 0.47])),
+                       warps_per_cta=data.draw(st.integers(1, 3)))
+    kw = dict(chunk_tiles=data.draw(st.lists(st.integers(0, 20), max_size=12)),
+              vectors=data.draw(st.lists(st.integers(1, max_vec), min_size=S, max_size=S)),
+              query_tiles=data.draw(st.lists(st.integers(1, max_qt), min_size=S, max_size=S)),
+              order=data.draw(st.sampled_from(["fifo", "lpt"])),
+              epochs=data.draw(st.lists(st.integers(0, 3), min_size=S, max_size=S)),
+              copy_run=data.draw(st.integers(1, 4)), merge_run=data.draw(st.integers(1, 3)))
+    return tiles, splits, params, kw
+
+
+@native
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_native_simulator_matches_python(data):
+    # Large query-tile and vector counts exercise the compiled whole-round dispatch.
+    tiles, splits, params, kw = _random_case(data, max_qt=data.draw(st.sampled_from([3, 60])),
+                                             max_vec=data.draw(st.sampled_from([9, 400])))
+    wl = cw._prepare(tiles, splits, params, kw["chunk_tiles"], kw["vectors"], kw["query_tiles"],
+                     kw["order"], kw["epochs"], kw["copy_run"], kw["merge_run"])
+    a = cw._simulate_bulk(wl, params, "native")
+    b = cw._simulate_bulk(wl, params, "python")
+    assert a == b  # same operations in the same order: bit-identical
+    slow, _ = cw.simulate(tiles, splits, params, return_timeline=True, **kw)
+    assert a[0] == pytest.approx(slow, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.lists(st.integers(0, 400), min_size=1, max_size=9), data=st.data())
+def test_optimized_search_equals_straightforward(tiles, data):
+    """Lower-bound pruning, early termination and the compiled search return exactly the plan of
+    the straightforward search (every candidate fully simulated, in Python)."""
+    S = len(tiles)
+    qs = data.draw(st.lists(st.sampled_from([1, 16, 16, 48]), min_size=S, max_size=S))
+    params = cw.Params(num_ctas=data.draw(st.integers(1, 10)), rho=data.draw(st.floats(0.2, 1.0)),
+                       delta_attn=data.draw(st.integers(0, 8)), delta_red=2, gamma=0.5,
+                       warps_per_cta=data.draw(st.integers(1, 4)))
+    kw = dict(vectors=data.draw(st.lists(st.integers(1, 64), min_size=S, max_size=S)),
+              chunk_tiles=data.draw(st.lists(st.integers(1, 10), max_size=5)),
+              hq=data.draw(st.integers(1, 4)), dcp=data.draw(st.sampled_from([1, 2, 4])),
+              num_comm_ctas=data.draw(st.integers(1, 8)), fa3_num_sms=data.draw(st.integers(1, 12)))
+    ref = cw.plan_splits(tiles, qs, params, engine="python", prune=False, **kw)
+    strip = lambda p: dataclasses.replace(p, evaluations=0)  # noqa: E731
+    for engine in ENGINES:
+        got = cw.plan_splits(tiles, qs, params, engine=engine, **kw)
+        assert strip(got) == strip(ref), engine
+        if engine == "python":  # (the compiled search does not memoize, so it may re-run one)
+            assert got.evaluations <= ref.evaluations
+    if cw.native_available():
+        assert strip(cw.plan_splits(tiles, qs, params, engine="native", prune=False, **kw)) == strip(ref)
+
+
+def test_engine_argument():
+    p = cw.Params(**FIG8)
+    with pytest.raises(ValueError, match="engine"):
+        cw.simulate([4], [1], p, engine="gpu")
+    with pytest.raises(ValueError, match="engine"):
+        cw.plan_splits([4], [16], p, engine="fast")
+    for engine in ENGINES:
+        plan = cw.plan_splits([192, 176, 2], [16, 16, 16], p, engine=engine)
+        assert plan.splits == (2, 2, 1) and plan.score == 104.0 and plan.nosplit_score == 152.0
+
+
+def _heuristic_scalar(total_mblocks, num_sms, num_n_blocks, num_m_blocks, size_one_kv_head,
+                      is_causal, max_splits):
+    """Line-by-line transcription of hopper/heuristics.h (v2.8.3) with float32 scalars."""
+    f32 = np.float32
+    if f32(total_mblocks) >= f32(0.8) * f32(num_sms):
+        size_l2 = 50 * 1024 * 1024
+        if size_one_kv_head > size_l2 and num_m_blocks >= num_sms * 2 and not is_causal:
+            return min(-(-size_one_kv_head // size_l2), max_splits)
+        return 1
+    if num_n_blocks <= 4:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+    max_eff, eff = f32(0.0), []
+    for s in range(1, max_splits + 1):
+        n_waves = f32(total_mblocks * s) / f32(num_sms)
+        e = f32(n_waves / f32(np.ceil(n_waves)))
+        max_eff = e if e > max_eff else max_eff
+        eff.append(e)
+    for s in range(1, max_splits + 1):
+        if float(eff[s - 1]) >= 0.85 * float(max_eff):
+            return s
+    return 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1, 140), sms=st.integers(1, 140), nb=st.integers(0, 2000),
+       mb=st.integers(1, 300), size=st.integers(0, 200 * 2 ** 20), causal=st.booleans(),
+       max_splits=st.integers(1, 128))
+def test_fa3_heuristic_matches_scalar_transcription(total, sms, nb, mb, size, causal, max_splits):
+    assert fa3.num_splits_heuristic(total, sms, nb, mb, size, causal, max_splits) == \
+        _heuristic_scalar(total, sms, nb, mb, size, causal, max_splits)

@@ -1,4 +1,6 @@
 """MegaDCP descriptor tables: coverage, reductions, transfer blocks, capacities."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -132,3 +134,69 @@ def test_bad_inputs():
         md.build_tables([10, 5], [16, 16], 2, 0)
     with pytest.raises(ValueError, match="splits"):
         md.build_tables([128, 5], [16, 16], 2, 4, splits=[3, 1])
+
+
+ENGINES = ["python"] + (["native"] if cw.native_available() else [])
+
+
+def _same_tables(a, b):
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "plan":  # the compiled search does not memoize: it may count one more run
+            x, y = dataclasses.replace(x, evaluations=0), dataclasses.replace(y, evaluations=0)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype == np.int32 and x.shape == y.shape, f.name
+            assert np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.skipif(not cw.native_available(), reason="compiled extension not built")
+@settings(max_examples=25, deadline=None)
+@given(hist=st.lists(st.integers(0, 40000), min_size=1, max_size=6),
+       P=st.sampled_from([1, 2, 4, 8]), hq=st.sampled_from([1, 2, 4]), data=st.data())
+def test_native_tables_equal_python(hist, P, hq, data):
+    qlen = data.draw(st.lists(st.sampled_from([1, 16, 16, 40, 300]), min_size=len(hist),
+                              max_size=len(hist)))
+    params = cw.Params(num_ctas=data.draw(st.integers(2, 16)), rho=0.5, delta_attn=4, delta_red=2,
+                       gamma=0.5)
+    kw = dict(params=params, tile=64, rows_per_tile=64, num_comm_ctas=data.draw(st.integers(1, 20)),
+              merge_run=data.draw(st.integers(1, 3)))
+    if data.draw(st.booleans()):
+        t0 = -(-md.local_history_lengths(hist, P)[0] // 64)
+        kw["splits"] = [data.draw(st.integers(1, max(1, int(t)))) for t in t0]
+    a = md.build_tables(hist, qlen, P, hq, engine="native", **kw)
+    b = md.build_tables(hist, qlen, P, hq, engine="python", **kw)
+    _same_tables(a, b)
+    _check_tables(a, hist, qlen)
+
+
+def test_benchmark_sized_batch_engines_agree():
+    # One step shaped like benchmarks/dcp_planner.py: 128 decode requests (16 tokens) and two
+    # prefill chunks, Table 2 parameters, P = 4: thousands of query-tile tasks and reductions.
+    rng = np.random.default_rng(7)
+    hist = rng.integers(1024, 131072, 128).tolist() + [6144, 0]
+    qlen = [16] * 128 + [3000, 700]
+    tabs = [md.build_tables(hist, qlen, 4, 4, engine=e) for e in ENGINES]
+    assert tabs[0].num_history_tasks > 500 and tabs[0].num_reductions > 1000
+    for t in tabs[1:]:
+        _same_tables(t, tabs[0])
+    _check_tables_fast(tabs[0], hist, qlen)
+
+
+def _check_tables_fast(tb, hist, qlen):
+    """Vectorized subset of _check_tables for large batches: per-rank KV coverage counts,
+    reduction inputs forming a permutation of the history tasks, vector coverage."""
+    T, U, P, H = tb.num_history_tasks, tb.num_reductions, tb.dcp, tb.heads
+    local = md.local_history_lengths(hist, P)
+    req = tb.hist_request[:T]
+    covered = np.zeros((P, len(hist)), dtype=np.int64)
+    for r in range(P):
+        np.add.at(covered[r], req, (tb.hist_kv_end[r, :T] - tb.hist_kv_start[r, :T])
+                  * (tb.hist_q_end[:T] - tb.hist_q_start[:T]))
+    assert np.array_equal(covered, local * np.asarray(qlen)[None, :])
+    assert np.array_equal(np.sort(tb.reduction_inputs[:tb.num_reduction_inputs]), np.arange(T))
+    vec = np.zeros(len(hist), dtype=np.int64)
+    np.add.at(vec, tb.red_request[:U], tb.red_vec_count[:U])
+    want = np.where(np.asarray(hist) > 0, np.asarray(qlen) * H, 0)
+    assert np.array_equal(vec, want)

@@ -97,3 +97,29 @@ def test_dense_large_causal():
                                        sm_scale=0.088)
   assert _rel(out[:, hs], ro) < 2e-2
   assert _rel(lse[:, hs], rl) < 2e-2
+
+
+_BWD_CONFIGS = [dict(overlap=True), dict(overlap=True, block_kv_dq=128),
+                dict(overlap=False, block_kv_dq=128), dict(overlap=True, max_concurrent_steps=3)]
+
+
+@pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
+@pytest.mark.parametrize("cfg", _BWD_CONFIGS,
+                         ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3"])
+def test_backward_configs_match_float64(cfg, case, causal):
+  """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
+  q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])
+  scale = 0.1
+  do = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), q.dtype)
+  out, lse = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale))(
+      q, k, v, qs, ks, ln, n)
+  config = bwd_ref.BwdTuningConfig(**cfg)
+  f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=causal, sm_scale=scale,
+                                                          config=config))
+  jax.block_until_ready(f(q, k, v, out, lse, do * jnp.nan, qs, ks, ln, n))  # poison
+  grads = f(q, k, v, out, lse, do, qs, ks, ln, n)
+  z = np.zeros_like(ln)
+  refs = bwd_ref.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, n, causal=causal,
+                                         sm_scale=scale)
+  for a, b in zip(grads, refs):
+    assert _rel(a, b) < 2e-2

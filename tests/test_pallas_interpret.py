@@ -71,3 +71,86 @@ def test_interpret_backward_causal_varlen():
   for g, r in zip(grads, refs):
     g = np.asarray(g, np.float64)
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3
+
+
+# Backward kernel configurations (interpret mode, backward only: out / lse come from the float64
+# forward reference, so each case runs just the dQ and dK/dV kernels).
+_BWD_CONFIGS = [
+    # (causal, BwdTuningConfig kwargs)
+    (True, dict(overlap=True)),
+    (True, dict(overlap=True, block_kv_dq=128, block_q_dkv=128, max_concurrent_steps=3)),
+    (False, dict(overlap=False, block_kv_dq=128, block_q_dkv=128)),
+]
+
+
+@pytest.mark.parametrize("causal,cfg", _BWD_CONFIGS,
+                         ids=["overlap", "overlap-b128-mcs3", "nooverlap-b128-full"])
+def test_interpret_backward_configs(causal, cfg):
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  rng = np.random.default_rng(17 + len(cfg))
+  t, tk, hq, hkv, d = 128, 120, 2, 1, 64
+  ln = np.array([1, 70, 49, 9], np.int32)  # 4th entry is beyond num_segs: ignored
+  qs = np.array([0, 1, 74, 0], np.int32)
+  ks = np.array([0, 1, 71, 0], np.int32)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
+  q, k, v, do = mk(t, hq, d), mk(tk, hkv, d), mk(tk, hkv, d), mk(t, hq, d)
+  z = np.zeros(4, np.int32)
+  ro, rl = fwd.reference_attention(q, k, v, qs, ln, ks, ln, z, z, 3, causal=causal,
+                                   sm_scale=0.125)
+  config = bwd.BwdTuningConfig(**cfg)
+  grads = api.pallas_segment_attention_bwd(
+      q, k, v, jnp.asarray(ro, jnp.float16), jnp.asarray(rl, jnp.float32), do, qs, ks, ln, 3,
+      causal=causal, sm_scale=0.125, config=config, interpret=True)
+  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, 3, causal=causal,
+                                     sm_scale=0.125)
+  for g, r in zip(grads, refs):
+    g = np.asarray(g, np.float64)
+    assert np.isfinite(g).all()  # uninitialized kernel memory is NaN in interpret mode
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3
+  dq = np.asarray(grads[0], np.float64)
+  np.testing.assert_array_equal(dq[71:74], 0.0)  # rows in no segment get no gradient
+  np.testing.assert_array_equal(dq[123:], 0.0)
+
+
+def test_bwd_config_validation():
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  with pytest.raises(ValueError, match="block_kv_dq"):
+    bwd.BwdTuningConfig(block_kv_dq=32)
+  with pytest.raises(ValueError, match="overlap"):
+    bwd.BwdTuningConfig(overlap=1)
+  q = jnp.zeros((256, 2, 128), jnp.bfloat16)
+  k = jnp.zeros((256, 1, 128), jnp.bfloat16)
+  lse = jnp.zeros((2, 256), jnp.float32)
+  tab = np.zeros((1, 12), np.int32)
+  # block_q_dkv=128 at head_dim 128 does not fit in the 227 KiB of SMEM of a Hopper SM
+  with pytest.raises(ValueError, match="SMEM"):
+    bwd.dkv_kernel_call(q, k, k, q, lse, lse, tab, 1, causal=True, sm_scale=1.0,
+                        config=bwd.BwdTuningConfig(block_q_dkv=128), interpret=True)
+  assert bwd.smem_bytes("dq", bwd.BwdTuningConfig(block_kv_dq=128), 128) <= bwd._SMEM_LIMIT
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("bkv_dq,bq_dkv,mcs,d", [(64, 64, 2, 128), (128, 64, 2, 128),
+                                                 (128, 128, 2, 64), (64, 64, 3, 128),
+                                                 (128, 64, 3, 128)])
+def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
+  """The GPU code path (register-LHS wgmma, paired wgmmas with wait_group(1)), which interpret
+  mode does not run, lowers to Mosaic GPU for every exposed config, on CPU; configs over the SMEM
+  budget raise a ValueError instead (Mosaic itself would reject them at the same point)."""
+  import jax
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  cfg = bwd.BwdTuningConfig(block_kv_dq=bkv_dq, block_q_dkv=bq_dkv, max_concurrent_steps=mcs,
+                            overlap=overlap)
+  sd = jax.ShapeDtypeStruct
+  q, k = sd((256, 2, d), jnp.bfloat16), sd((256, 1, d), jnp.bfloat16)
+  lse, seg = sd((256, 2), jnp.float32), sd((2,), jnp.int32)
+  f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=True, sm_scale=0.1,
+                                                          config=cfg))
+  lower = lambda: f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  if max(bwd.smem_bytes(kind, cfg, d) for kind in ("dq", "dkv")) > bwd._SMEM_LIMIT:
+    with pytest.raises(ValueError, match="SMEM"):
+      lower()
+  else:
+    import re
+    assert len(re.findall(r"custom_call @mosaic_gpu", lower())) == 2  # the dQ and dK/dV kernels

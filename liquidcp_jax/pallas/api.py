@@ -78,8 +78,12 @@ def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_s
   tt = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, zeros, zeros,
                                    num_segs, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
                                    causal=causal, xp=jnp)
-  out, lse_pad = fwd_lib.tile_attention_fwd(qp, kp, vp, tt.table, tt.capacity, causal=causal,
-                                            sm_scale=sm_scale, config=config, interpret=interpret)
+  kernel = fwd_lib.tile_attention_fwd
+  if config.persistent:
+    from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers_lib
+    kernel = pers_lib.tile_attention_fwd_persistent
+  out, lse_pad = kernel(qp, kp, vp, tt.table, tt.capacity, causal=causal, sm_scale=sm_scale,
+                        config=config, interpret=interpret)
   lse = lse_pad[:, tt.row_task * tr + tt.row_off].T
   return out[:tq0], lse[:tq0]
 
@@ -176,21 +180,21 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   return dq[:tq], dk[:tk], dv[:tk]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
 def _varlen(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
-            interpret, bwd_impl):
+            interpret, bwd_impl, bwd_config):
   return _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
                   interpret)
 
 
 def _varlen_fwd(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
-                interpret, bwd_impl):
+                interpret, bwd_impl, bwd_config):
   out, lse = _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale,
                       config, interpret)
   return (out, lse), (q, k, v, out, lse, seg_q_start, seg_kv_start, seg_len, num_segs)
 
 
-def _varlen_bwd(causal, sm_scale, config, interpret, bwd_impl, res, cts):
+def _varlen_bwd(causal, sm_scale, config, interpret, bwd_impl, bwd_config, res, cts):
   q, k, v, out, lse, sqs, sks, sl, ns = res
   do, _ = cts  # the LSE cotangent is not propagated (out is the differentiated output)
   if bwd_impl == "xla":
@@ -199,7 +203,7 @@ def _varlen_bwd(causal, sm_scale, config, interpret, bwd_impl, res, cts):
   else:
     dq, dk, dv = pallas_segment_attention_bwd(q, k, v, out, lse, do, sqs, sks, sl, ns,
                                               causal=causal, sm_scale=sm_scale,
-                                              interpret=interpret)
+                                              config=bwd_config, interpret=interpret)
   zi = lambda a: np.zeros(a.shape, jax.dtypes.float0)
   return dq, dk, dv, zi(sqs), zi(sks), zi(sl), zi(ns)
 
@@ -209,14 +213,15 @@ _varlen.defvjp(_varlen_fwd, _varlen_bwd)
 
 def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, causal: bool,
                      sm_scale: float, config: TuningConfig | None = None, interpret: bool = False,
-                     bwd_impl: str = "pallas"):
+                     bwd_impl: str = "pallas", bwd_config: "bwd_lib.BwdTuningConfig | None" = None):
   """Packed variable-length attention.
 
   q: [T, Hq, D] bf16/f16; k, v: [Tk, Hkv, D]; seg_q_start / seg_kv_start / seg_len: int32
   [S_cap]; num_segs: int32 scalar (segments >= num_segs are ignored). Segment s: queries
   q[seg_q_start[s] : +seg_len[s]] attend keys k[seg_kv_start[s] : +seg_len[s]] (causal: key pos <=
   query pos within the segment). Segments must not overlap in q (nor in k for the Pallas
-  backward). ``bwd_impl``: "pallas" (Mosaic GPU dQ, dK/dV kernels) or "xla". Returns (out [T, Hq, D] q.dtype,
+  backward). ``bwd_impl``: "pallas" (Mosaic GPU dQ, dK/dV kernels, tuned by ``bwd_config``) or
+  "xla". Returns (out [T, Hq, D] q.dtype,
   lse [T, Hq] float32 natural log); rows in no segment get out = 0, lse = -inf.
   """
   config = TuningConfig() if config is None else config
@@ -226,5 +231,8 @@ def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, c
     raise ValueError(f"bwd_impl must be 'pallas' or 'xla', got {bwd_impl!r}")
   if not isinstance(sm_scale, (int, float)):
     raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
+  bwd_config = bwd_lib.BwdTuningConfig() if bwd_config is None else bwd_config
+  if not isinstance(bwd_config, bwd_lib.BwdTuningConfig):
+    raise ValueError(f"bwd_config must be a BwdTuningConfig, got {type(bwd_config)}")
   return _varlen(q, k, v, *seg, jnp.asarray(num_segs, jnp.int32), bool(causal), float(sm_scale),
-                 config, bool(interpret), bwd_impl)
+                 config, bool(interpret), bwd_impl, bwd_config)

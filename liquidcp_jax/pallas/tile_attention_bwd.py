@@ -7,7 +7,10 @@ Two Mosaic GPU kernels driven by task tables (see :mod:`tables`), causal include
   the Q / dO / LSE / delta tiles of every q head of the group; dK and dV accumulate in registers
   over all of them (no atomics, no XLA reduction over the group).
 delta = rowsum(dO * O) is precomputed in XLA. The float64 reference backward is below.
-No schedule-barrier ping-pong or persistent scheduling yet (tuning headroom).
+``BwdTuningConfig(overlap=True)`` issues the two independent wgmmas of a step together (dQ: S = Q K^T
+and dP = dO V^T; dK/dV: S^T = K Q^T and dP^T = V dO^T) and waits only for the first before the
+softmax math, as Hopper FlashAttention kernels do; in dK/dV the dV wgmma also runs while dS^T is
+computed. No schedule-barrier ping-pong or persistent scheduling yet (tuning headroom).
 """
 from __future__ import annotations
 
@@ -68,10 +71,14 @@ _LOG2E = math.log2(math.e)
 @dataclasses.dataclass(frozen=True)
 class BwdTuningConfig:
   """Backward tiles: each compute warpgroup owns 64 rows (Q rows for dQ, K rows for dK/dV);
-  ``block_kv_dq`` keys per streamed tile in dQ, ``block_q_dkv`` queries per tile in dK/dV."""
+  ``block_kv_dq`` keys per streamed tile in dQ, ``block_q_dkv`` queries per tile in dK/dV;
+  ``max_concurrent_steps`` SMEM ring slots; ``overlap``: issue a step's two independent wgmmas
+  together (see the module docstring). Every combination runs in interpret mode; on the GPU the
+  SMEM budget (:func:`smem_bytes`) rules out some with head_dim 128, e.g. ``block_q_dkv=128``."""
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
+  overlap: bool = False
 
   def __post_init__(self):
     for name in ("block_kv_dq", "block_q_dkv"):
@@ -79,6 +86,8 @@ class BwdTuningConfig:
         raise ValueError(f"{name} must be 64 or 128, got {getattr(self, name)}")
     if not 2 <= self.max_concurrent_steps <= 4:
       raise ValueError(f"max_concurrent_steps must be in [2, 4], got {self.max_concurrent_steps}")
+    if not isinstance(self.overlap, bool):
+      raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
 
 
 _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)
@@ -86,7 +95,7 @@ _TF = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _kw(interpret):
-  return {"interpret": plgpu.InterpretGPUParams(uninitialized_memory="zero")} if interpret else {}
+  return {"interpret": plgpu.InterpretGPUParams(uninitialized_memory="nan")} if interpret else {}
 
 
 def _mask(shape, r0, c0, kv_lo, kv_hi, diag, causal, reverse):
@@ -116,12 +125,76 @@ def _mm_reg_lhs(acc, lhs, rhs_smem, stage_smem, interpret):
   return pl.run_state(st)(plgpu.ACC.init(acc))
 
 
+def _mm_reg_lhs_pair(acc_a, lhs_a, rhs_a, acc_b, make_lhs_b, rhs_b, stage_smem, interpret):
+  """(acc_a + lhs_a @ rhs_a, acc_b + make_lhs_b() @ rhs_b), register LHS operands.
+
+  On the GPU both wgmmas sit in one ``run_state`` with a single final wait, and ``make_lhs_b`` is
+  traced after the first wgmma is issued, so its ALU work runs under that wgmma.
+  """
+  if interpret:
+    a = _mm_reg_lhs(acc_a, lhs_a, rhs_a, stage_smem, True)
+    return a, _mm_reg_lhs(acc_b, make_lhs_b(), rhs_b, stage_smem, True)
+
+  def st(refs):
+    ra, rb = refs
+    plgpu.wgmma(ra, lhs_a, rhs_a)
+    plgpu.wgmma(rb, make_lhs_b(), rhs_b)
+
+  return pl.run_state(st)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
+
+
 def _mm_t(a_smem, b_smem, shape):
   def scope(ref):
     plgpu.wgmma(ref, a_smem, b_smem.transpose((1, 0)))
     return ref[...]
 
   return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def _mm_t_pair(a1, b1, a2, b2, shape, first_fn):
+  """Issues a1 @ b1^T and a2 @ b2^T back to back, then returns (first_fn(x1), x2).
+
+  ``first_fn`` runs after waiting for the first wgmma only, so the softmax math on x1 overlaps the
+  second wgmma (wgmma groups complete in issue order, so wait_group(1) means the first is done).
+  """
+  def scope(r1, r2):
+    plgpu.wgmma(r1, a1, b1.transpose((1, 0)))
+    plgpu.wgmma(r2, a2, b2.transpose((1, 0)))
+    y1 = first_fn(plgpu.wgmma_accumulator_load(r1, wait_n=1))
+    return y1, plgpu.wgmma_accumulator_load(r2, wait_n=0)
+
+  acc = plgpu.ACC(shape, jnp.float32)
+  return pl.run_scoped(scope, acc, acc)
+
+
+_SMEM_LIMIT = 227 * 1024  # per-block dynamic SMEM on sm_90
+
+
+def _aligned(nbytes):
+  return -(-nbytes // 1024) * 1024  # Mosaic GPU aligns every scratch buffer to 1 KiB
+
+
+def smem_bytes(kind: str, config: BwdTuningConfig, head_dim: int, itemsize: int = 2) -> int:
+  """Upper estimate of the GPU kernel's SMEM (``kind``: "dq" or "dkv"), barriers included."""
+  mcs, d = config.max_concurrent_steps, head_dim
+  rows = lambda n: _aligned(n * d * itemsize)
+  if kind == "dq":
+    bufs = [rows(2 * _ROWS)] * 3 + [rows(mcs * config.block_kv_dq)] * 2 + [_aligned(4 * _ROWS * 4)]
+  elif kind == "dkv":
+    bufs = ([rows(2 * _ROWS)] * 4 + [rows(mcs * config.block_q_dkv)] * 2
+            + [_aligned(mcs * config.block_q_dkv * 4)] * 2)
+  else:
+    raise ValueError(f"kind must be 'dq' or 'dkv', got {kind!r}")
+  return sum(bufs) + 1024
+
+
+def _check_smem(kind, config, head_dim, itemsize):
+  need = smem_bytes(kind, config, head_dim, itemsize)
+  if need > _SMEM_LIMIT:
+    raise ValueError(
+        f"config {config} needs ~{need} bytes of SMEM in the {kind} kernel at head_dim={head_dim}, "
+        f"over the {_SMEM_LIMIT}-byte limit: use block_kv_dq/block_q_dkv=64 or fewer "
+        f"max_concurrent_steps")
 
 
 def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale,
@@ -135,10 +208,11 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
   dtype = q.dtype
   bkv, mcs = config.block_kv_dq, config.max_concurrent_steps
   scale2 = float(sm_scale) * _LOG2E
+  _check_smem("dq", config, d, jnp.dtype(dtype).itemsize)
   from liquidcp_jax.pallas.tables import F, ROW_ALIGN
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, sc):
-    (q_s2, do_s2, lse_s2, dl_s2, k_s, v_s, o_s2, st_s2), in_bars, (k_bar, v_bar), (k_used, v_used) = sc
+    (q_s2, do_s2, ld_s, k_s, v_s, o_s2, st_s2), in_bars, (k_bar, v_bar), (k_used, v_used) = sc
     head = lax.axis_index("heads")
     task = lax.axis_index("tasks")
     wg = lax.axis_index("wg")
@@ -154,26 +228,37 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
       full_lo, full_hi = get("full_lo"), get("full_hi")
       r0 = wg * _ROWS
       rows = pl.ds(q_base + r0, _ROWS)
-      srcs = ((q_ref.at[rows, head], q_s2), (do_ref.at[rows, head], do_s2),
-              (lse_ref.at[head, rows], lse_s2), (dl_ref.at[head, rows], dl_s2))
+      # lse and delta share one buffer: one 1 KiB SMEM allocation instead of two keeps
+      # block_kv_dq=128 at head_dim 128 inside the SMEM limit.
+      srcs = ((q_ref.at[rows, head], q_s2.at[wg]), (do_ref.at[rows, head], do_s2.at[wg]),
+              (lse_ref.at[head, rows], ld_s.at[0, wg]), (dl_ref.at[head, rows], ld_s.at[1, wg]))
       for (src, dst), bar in zip(srcs, in_bars):
-        plgpu.copy_gmem_to_smem(src, dst.at[wg], bar.at[wg])
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
       for bar in in_bars:
         plgpu.barrier_wait(bar.at[wg])
       q_s, do_s, st_s = q_s2.at[wg], do_s2.at[wg], (st_s2.at[wg] if interpret else None)
-      lse = plgpu.load(lse_s2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
-      dlt = plgpu.load(dl_s2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      lse = plgpu.load(ld_s.at[0, wg], layout=plgpu.Layout.WGMMA.reduce(1))
+      dlt = plgpu.load(ld_s.at[1, wg], layout=plgpu.Layout.WGMMA.reduce(1))
       dq = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
       def step(j, dq, masked):
         slot = lax.rem(j, jnp.int32(mcs))
+
+        def probs(s):
+          s = s * scale2
+          if masked:
+            s = jnp.where(_mask(s.shape, r0, j * bkv, kv_lo, kv_hi, diag, causal, False), s,
+                          -jnp.inf)
+          return jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+
         plgpu.barrier_wait(k_bar.at[slot])
-        s = _mm_t(q_s, k_s.at[slot], (_ROWS, bkv)) * scale2
-        if masked:
-          s = jnp.where(_mask(s.shape, r0, j * bkv, kv_lo, kv_hi, diag, causal, False), s, -jnp.inf)
-        p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
-        plgpu.barrier_wait(v_bar.at[slot])
-        dp = _mm_t(do_s, v_s.at[slot], (_ROWS, bkv))
+        if config.overlap:
+          plgpu.barrier_wait(v_bar.at[slot])
+          p, dp = _mm_t_pair(q_s, k_s.at[slot], do_s, v_s.at[slot], (_ROWS, bkv), probs)
+        else:
+          p = probs(_mm_t(q_s, k_s.at[slot], (_ROWS, bkv)))
+          plgpu.barrier_wait(v_bar.at[slot])
+          dp = _mm_t(do_s, v_s.at[slot], (_ROWS, bkv))
         plgpu.barrier_arrive(v_used.at[slot])
         ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
         dq = _mm_reg_lhs(dq, ds.astype(dtype), k_s.at[slot], st_s, interpret)
@@ -222,8 +307,7 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
     scratch = [
         plgpu.SMEM((2, _ROWS, d), dtype, transforms=_TF()),
         plgpu.SMEM((2, _ROWS, d), dtype, transforms=_TF()),
-        plgpu.SMEM((2, _ROWS), jnp.float32),
-        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.SMEM((2, 2, _ROWS), jnp.float32),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=_TF()),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=_TF()),
         plgpu.SMEM((2, _ROWS, d), dtype),
@@ -259,6 +343,7 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
   dtype = q.dtype
   bc, mcs = config.block_q_dkv, config.max_concurrent_steps
   scale2 = float(sm_scale) * _LOG2E
+  _check_smem("dkv", config, d, jnp.dtype(dtype).itemsize)
   from liquidcp_jax.pallas.tables import F, ROW_ALIGN
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, sc):
@@ -291,20 +376,33 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
         c = g * nt + (j - t_lo)
         slot = lax.rem(c, jnp.int32(mcs))
         q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
+
+        def probs_t(st):
+          st = st * scale2
+          if masked:
+            st = jnp.where(_mask(st.shape, r0, j * bc, c_lo, c_hi, diag, causal, True), st,
+                           -jnp.inf)
+          plgpu.barrier_wait(lse_bar)
+          lse = plgpu.load(lse_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          return jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+
+        def ds_t(pt, dpt):
+          plgpu.barrier_wait(dl_bar)
+          dl = plgpu.load(dl_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          return (pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))).astype(dtype)
+
         plgpu.barrier_wait(q_bar)
-        st = _mm_t(k_s, q_s.at[slot], (_ROWS, bc)) * scale2
-        if masked:
-          st = jnp.where(_mask(st.shape, r0, j * bc, c_lo, c_hi, diag, causal, True), st, -jnp.inf)
-        plgpu.barrier_wait(lse_bar)
-        lse = plgpu.load(lse_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-        pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-        plgpu.barrier_wait(do_bar)
-        dv = _mm_reg_lhs(dv, pt.astype(dtype), do_s.at[slot], st_s, interpret)
-        dpt = _mm_t(v_s, do_s.at[slot], (_ROWS, bc))
-        plgpu.barrier_wait(dl_bar)
-        dl = plgpu.load(dl_s.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-        dst = pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))
-        dk = _mm_reg_lhs(dk, dst.astype(dtype), q_s.at[slot], st_s, interpret)
+        if config.overlap:
+          plgpu.barrier_wait(do_bar)
+          pt, dpt = _mm_t_pair(k_s, q_s.at[slot], v_s, do_s.at[slot], (_ROWS, bc), probs_t)
+          dv, dk = _mm_reg_lhs_pair(dv, pt.astype(dtype), do_s.at[slot], dk,
+                                    lambda: ds_t(pt, dpt), q_s.at[slot], st_s, interpret)
+        else:
+          pt = probs_t(_mm_t(k_s, q_s.at[slot], (_ROWS, bc)))
+          plgpu.barrier_wait(do_bar)
+          dv = _mm_reg_lhs(dv, pt.astype(dtype), do_s.at[slot], st_s, interpret)
+          dpt = _mm_t(v_s, do_s.at[slot], (_ROWS, bc))
+          dk = _mm_reg_lhs(dk, ds_t(pt, dpt), q_s.at[slot], st_s, interpret)
         plgpu.barrier_arrive(used.at[slot])
         return dk, dv
 

@@ -31,10 +31,16 @@ _LN2 = math.log(2.0)
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
-  """Forward tile sizes. The task tile is ``2 * block_q`` rows (two compute warpgroups)."""
+  """Forward tile sizes. The task tile is ``2 * block_q`` rows (two compute warpgroups).
+
+  ``persistent``: one CTA per SM walking the (task, head) items (see
+  :mod:`tile_attention_fwd_persistent`); ``num_ctas`` overrides its grid size (default: SM count).
+  """
   block_q: int = 64
   block_kv: int = 128
   max_concurrent_steps: int = 2
+  persistent: bool = False
+  num_ctas: int | None = None
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -43,6 +49,8 @@ class TuningConfig:
       raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
     if not 2 <= self.max_concurrent_steps <= 4:
       raise ValueError(f"max_concurrent_steps must be in [2, 4], got {self.max_concurrent_steps}")
+    if self.num_ctas is not None and self.num_ctas < 1:
+      raise ValueError(f"num_ctas must be None or >= 1, got {self.num_ctas}")
 
   @property
   def task_rows(self) -> int:

@@ -20,10 +20,17 @@ Model (exactly as §5.2 states it):
 Implementation. Because ``tau`` is global, every running task progresses by the same amount
 of work per unit time; in *work time* ``W`` (``dW = dt / tau(k)``) attention dispatch is
 plain greedy list scheduling with task durations ``c_attn``. The simulator schedules in
-``W``, then maps ``W`` to real time with the piecewise-linear ``dt = tau(k(W)) dW``. Equal
-tasks are scheduled in bulk over bins of CTAs that free at the same instant (a decode step
-with prefill chunks has thousands of identical query-tile tasks). ``return_timeline=True``
-runs a per-task, per-CTA, per-warp version of the same model; tests check both agree.
+``W``, then maps ``W`` to real time with the piecewise-linear ``dt = tau(k(W)) dW``. Greedy
+dispatch never idles a CTA while tasks are queued, so ``k(W)`` only drops, at the CTAs' final
+free times: those alone define the map. Equal tasks are scheduled in bulk over bins of CTAs
+that free at the same instant (a decode step with prefill chunks has thousands of identical
+query-tile tasks). ``return_timeline=True`` runs a per-task, per-CTA, per-warp version of the
+same model (its time map built from every task's start and end); tests check both agree.
+
+The bulk path exists twice: in Python (the reference) and in C (``_cw_native.c``, built as
+a CPython extension at install, with the split search of ``split_search``); both perform the
+same floating-point operations in the same order and tests assert equal results. Without
+the extension (a plain source tree) everything runs in Python.
 
 Splits of a history of ``n`` tiles into ``s`` parts are balanced: ``n % s`` parts of
 ``n // s + 1`` tiles first, then parts of ``n // s`` (never empty; FA3 instead uses
@@ -31,9 +38,11 @@ Splits of a history of ``n`` tiles into ``s`` parts are balanced: ``n % s`` part
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
+import os
 from typing import Sequence
 
 import numpy as np
@@ -42,6 +51,34 @@ from liquidcp_jax.planning.fa3 import (fa3_dynamic_splits, fa3_num_splits,  # no
                                        fa3_static_num_splits, num_splits_heuristic)
 
 ORDERS = ("fifo", "lpt")
+ENGINES = ("auto", "native", "python")
+
+try:  # the compiled simulator and search, built by `pip install` (setuptools ext-modules)
+    from liquidcp_jax.planning import _cw_native
+except ImportError:  # plain source tree (e.g. PYTHONPATH on another machine): pure Python
+    _cw_native = None
+
+# LIQUIDCP_CW_ENGINE=python forces the reference implementation everywhere (debugging).
+_DEFAULT_ENGINE = os.environ.get("LIQUIDCP_CW_ENGINE", "auto")
+
+
+def native_available() -> bool:
+    """Whether the compiled critical-wave extension (``_cw_native``) is importable."""
+    return _cw_native is not None
+
+
+def _engine(engine: str) -> str:
+    """Resolves ``"auto"`` / ``"native"`` / ``"python"`` to the implementation to run."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "auto":
+        engine = _DEFAULT_ENGINE if _DEFAULT_ENGINE in ENGINES else "auto"
+    if engine == "native" and _cw_native is None:
+        raise ValueError("engine='native' needs the compiled extension liquidcp_jax.planning."
+                         "_cw_native (build it with `pip install -e .`); use engine='auto'")
+    if engine == "auto":
+        return "python" if _cw_native is None else "native"
+    return engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +209,12 @@ def _int_vector(x, name: str, *, lo: int, size: int | None = None) -> list[int]:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if not np.issubdtype(arr.dtype, np.number) or not np.all(np.mod(arr, 1) == 0):
             raise ValueError(f"{name} must be integers, got {list(arr)[:8]}")
-    vals = [int(v) for v in arr]
-    for i, v in enumerate(vals):
-        if v < lo:
-            raise ValueError(f"{name}[{i}] = {v}; expected every entry >= {lo}")
-    return vals
+    if arr.size:
+        low = arr < lo
+        if low.any():  # vectorized: this runs on every planner call
+            i = int(np.argmax(low))
+            raise ValueError(f"{name}[{i}] = {int(arr[i])}; expected every entry >= {lo}")
+    return arr.astype(np.int64).tolist()
 
 
 def split_sizes(n: int, s: int) -> tuple[tuple[int, int], ...]:
@@ -274,14 +312,49 @@ def _time_map(seg_s, seg_e, seg_n, params: Params):
     return p, t
 
 
-def _simulate_bulk(wl: _Workload, params: Params):
-    """Fast path: returns ``(score, attention_end, ready)``, ``ready[i]`` the history-attention
-    completion of sequence ``i``."""
+def _release_time_map(bins, params: Params):
+    """Work-time -> real-time map from the CTAs' final free times (release points).
+
+    Greedy dispatch never leaves a CTA idle while tasks are queued, so CTA ``c`` is busy on
+    ``[0, R_c)`` in work time and ``k(W) = K - #{c : R_c <= W}``: the final bins alone define
+    ``t(W)``. Returns ``(X, T, taus)``: breakpoints, their real times, and the rate ``tau`` on
+    ``[X[j], X[j+1])``; ``t(W) = T[j] + taus[j] * (W - X[j])`` (see :func:`_tmap`).
+    """
+    K, rho = params.num_ctas, params.rho
+    rel = []
+    for w, n in sorted(bins):
+        if rel and rel[-1][0] == w:
+            rel[-1][1] += n
+        else:
+            rel.append([w, n])
+    k = K
+    if rel[0][0] == 0.0:
+        k -= rel[0][1]
+        rel = rel[1:]
+    X, T, taus = [0.0], [0.0], []
+    for w, n in rel:
+        tau = k / K
+        if tau < rho:
+            tau = rho
+        taus.append(tau)
+        T.append(T[-1] + tau * (w - X[-1]))
+        X.append(w)
+        k -= n
+    taus.append(rho)  # past the last release nothing runs; only ever evaluated at X[-1]
+    return X, T, taus
+
+
+def _tmap(X, T, taus, W: float) -> float:
+    j = bisect.bisect_right(X, W) - 1
+    return T[j] + taus[j] * (W - X[j])
+
+
+def _simulate_bulk_python(wl: _Workload, params: Params):
     K = params.num_ctas
     bins = [(0.0, K)]
-    seg_s, seg_e, seg_n = [], [], []
     seq_w = {}
     pop, push = heapq.heappop, heapq.heappush
+    any_task = False
     for cost, m, seq, _ in wl.attn:
         e = 0.0
         while m:
@@ -290,28 +363,28 @@ def _simulate_bulk(wl: _Workload, params: Params):
                 n += pop(bins)[1]
             a = n if n < m else m
             e = f + cost
-            seg_s.append(f)
-            seg_e.append(e)
-            seg_n.append(a)
             push(bins, (e, a))
             if n > a:
                 push(bins, (f, n - a))
             m -= a
+            any_task = True
         if seq >= 0:
-            # Popped free times never decrease, so the group's last end is its latest.
-            seq_w[seq] = e
-    if not seg_s:
+            # Within a group the last end is the latest (popped free times never decrease),
+            # but a sequence's later group (a shorter split) can end before an earlier one.
+            prev = seq_w.get(seq)
+            seq_w[seq] = e if prev is None or e > prev else prev
+    if not any_task:
         return 0.0, 0.0, {}
-    p, t = _time_map(seg_s, seg_e, seg_n, params)
-    attn_end = float(t[-1])
-    seqs = list(seq_w)
-    ready = dict(zip(seqs, np.interp(np.array([seq_w[i] for i in seqs]), p, t).tolist()))
+    X, T, taus = _release_time_map(bins, params)
+    attn_end = T[-1]
+    ready = {i: _tmap(X, T, taus, w) for i, w in seq_w.items()}
     if not wl.red:
         return attn_end, attn_end, ready
-    rel_w = np.array([b[0] for b in bins])
-    rel_t = np.interp(rel_w, p, t)
+    rel = {}
+    for w, n in bins:
+        rel[w] = rel.get(w, 0) + n
     wpc = params.warps_per_cta
-    wb = [(float(rt), b[1] * wpc) for rt, b in zip(rel_t, bins)]
+    wb = [(_tmap(X, T, taus, w), n * wpc) for w, n in rel.items()]
     heapq.heapify(wb)
     end = attn_end
     for seq, n, cost, _ in wl.red:
@@ -329,6 +402,20 @@ def _simulate_bulk(wl: _Workload, params: Params):
             if st + cost > end:
                 end = st + cost
     return end, attn_end, ready
+
+
+def _simulate_bulk(wl: _Workload, params: Params, engine: str = "auto"):
+    """Bulk simulation: returns ``(score, attention_end, ready)``, ``ready[i]`` the
+    history-attention completion of sequence ``i`` (only sequences with history tasks).
+
+    ``engine``: ``"auto"`` (compiled when built), ``"native"`` or ``"python"``; both compute
+    the same floating-point operations in the same order.
+    """
+    if _engine(engine) == "python":
+        return _simulate_bulk_python(wl, params)
+    score, attn_end, ready = _cw_native.simulate(wl.attn, wl.red, wl.num_seqs, params.num_ctas,
+                                                 params.rho, params.warps_per_cta)
+    return score, attn_end, {i: r for i, r in enumerate(ready) if r is not None}
 
 
 def _simulate_tasks(wl: _Workload, params: Params) -> Timeline:
@@ -412,7 +499,7 @@ def simulate(history_tiles: Sequence[int], splits: Sequence[int], params: Params
              chunk_tiles: Sequence[int] = (), vectors: Sequence[int] | None = None,
              query_tiles: Sequence[int] | None = None, order: str = "fifo",
              epochs: Sequence[int] | None = None, copy_run: int = 1, merge_run: int = 1,
-             return_timeline: bool = False):
+             return_timeline: bool = False, engine: str = "auto"):
     """Critical-wave score of a split plan on one GPU (model time units).
 
     Args:
@@ -427,16 +514,20 @@ def simulate(history_tiles: Sequence[int], splits: Sequence[int], params: Params
       epochs: ``(S,)`` transfer epoch per sequence for ``"lpt"`` (default all 0).
       copy_run: output vectors per reduction task of an unsplit sequence (a copy).
       merge_run: output vectors per reduction task of a split sequence.
-      return_timeline: also return the per-task :class:`Timeline`.
+      return_timeline: also return the per-task :class:`Timeline` (computed by the per-task,
+        per-CTA, per-warp reference path; the score is then that path's).
+      engine: ``"auto"`` (the compiled simulator when built, else Python), ``"native"``,
+        ``"python"``.
     Returns:
       ``score`` (float), or ``(score, Timeline)``.
     """
+    eng = _engine(engine)
     wl = _prepare(history_tiles, splits, params, chunk_tiles, vectors, query_tiles, order, epochs,
                   copy_run, merge_run)
     if return_timeline:
         tl = _simulate_tasks(wl, params)
         return tl.score, tl
-    return _simulate_bulk(wl, params)[0]
+    return _simulate_bulk(wl, params, eng)[0]
 
 
 def reduction_run_size(copy_vectors: Sequence[int], hq: int, num_ctas: int, *,

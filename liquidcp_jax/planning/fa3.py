@@ -56,18 +56,15 @@ def num_splits_heuristic(total_mblocks: int, num_sms: int, num_n_blocks: int, nu
     if num_n_blocks <= 4:
         return 1
     max_splits = min(int(max_splits), num_sms, int(num_n_blocks))
-    eff = []
-    max_eff = _F32(0.0)
-    for s in range(1, max_splits + 1):
-        n_waves = _F32(total_mblocks * s) / _F32(num_sms)
-        e = _F32(n_waves / _F32(math.ceil(n_waves)))
-        if e > max_eff:
-            max_eff = e
-        eff.append(e)
-    for s in range(1, max_splits + 1):
-        if float(eff[s - 1]) >= 0.85 * float(max_eff):
-            return s
-    return 1
+    # The C++ loops s = 1..max_splits; element-wise float32 arithmetic is the same IEEE math.
+    s = np.arange(1, max_splits + 1, dtype=np.int64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n_waves = (total_mblocks * s).astype(_F32) / _F32(num_sms)
+        eff = (n_waves / np.ceil(n_waves)).astype(_F32)
+    # `if (eff > max_efficiency) max_efficiency = eff` from 0: NaN (0 / 0) never wins.
+    max_eff = max(0.0, float(np.max(np.where(np.isnan(eff), _F32(0), eff))))
+    ok = eff.astype(np.float64) >= 0.85 * max_eff
+    return int(np.argmax(ok)) + 1 if ok.any() else 1
 
 
 def fa3_block_n(head_dim: int = 128, *, causal: bool = False, paged_kv_non_tma: bool = True) -> int:
@@ -112,14 +109,12 @@ def fa3_dynamic_splits(n_blocks: Sequence[int], m_blocks: Sequence[int], num_spl
     if num_splits_static <= 1:
         # The kernel is then compiled without Split: every sequence runs whole.
         return tuple(1 for _ in n_blocks)
-    total_blocks = int(sum(int(m) * int(n) for m, n in zip(m_blocks, n_blocks)))
+    n = np.asarray(n_blocks, dtype=np.int64)
+    total_blocks = int(np.dot(np.asarray(m_blocks, dtype=np.int64), n))
     bps = int(math.ceil(_F32(_F32(_F32(total_blocks) * _F32(1.1)) * _F32(num_head)) / _F32(num_sms)))
-    out = []
-    for n in n_blocks:
-        # C++ divides by blocks_per_sm unguarded; it is 0 only when every sequence is empty.
-        s = _ceil_div(int(n), bps) if bps > 0 else 1
-        out.append(max(min(s, num_splits_static), 1))
-    return tuple(out)
+    # C++ divides by blocks_per_sm unguarded; it is 0 only when every sequence is empty.
+    s = -(-n // bps) if bps > 0 else np.ones_like(n)
+    return tuple(np.clip(s, 1, max(1, num_splits_static)).tolist())
 
 
 def fa3_num_splits(seqused_k: Sequence[int], query_lens: Sequence[int], *, num_heads: int,

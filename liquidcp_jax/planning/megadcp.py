@@ -167,10 +167,30 @@ def _ranges(counts: np.ndarray):
     return owner, within
 
 
+_PACK_FIELDS = (
+    ("chunk", "chunk_request"), ("chunk", "chunk_q_start"), ("chunk", "chunk_q_end"),
+    ("chunk", "chunk_kv_end"), ("chunk", "chunk_tiles"),
+    ("history", "hist_request"), ("history", "hist_split"), ("history", "hist_q_start"),
+    ("history", "hist_q_end"), ("history", "hist_tiles"), ("history", "hist_kv_start"),
+    ("history", "hist_kv_end"),
+    ("reductions", "red_request"), ("reductions", "red_q_start"), ("reductions", "red_q_end"),
+    ("reductions", "red_vec_start"), ("reductions", "red_vec_count"),
+    ("reductions", "red_input_start"), ("reductions", "red_input_count"),
+    ("reduction_inputs", "reduction_inputs"),
+    ("finals", "final_request"), ("finals", "final_q_start"), ("finals", "final_q_end"),
+    ("blocks", "block_request"), ("blocks", "block_q_start"), ("blocks", "block_q_end"),
+    ("blocks", "block_epoch"),
+)
+_COUNT_NAMES = {"chunk": "num_chunk_tasks", "history": "num_history_tasks",
+                "reductions": "num_reductions", "reduction_inputs": "num_reduction_inputs",
+                "finals": "num_finals", "blocks": "num_blocks"}
+
+
 def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], dcp: int, hq: int, *,
                  params: "cw.Params | None" = None, tile: int = 128, rows_per_tile: int = 128,
                  splits: Sequence[int] | None = None, num_comm_ctas: int = 16, merge_run: int = 1,
-                 min_capacity: int = 8, capacities: dict | None = None) -> DcpTables:
+                 min_capacity: int = 8, capacities: dict | None = None,
+                 engine: str = "auto") -> DcpTables:
     """Plans splits (critical-wave, unless ``splits`` is given) and packs the descriptor tables.
 
     Args:
@@ -184,6 +204,8 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
       num_comm_ctas: communication CTAs ``M`` for the transfer epochs.
       capacities: minimum capacity per table (keys of :attr:`DcpTables.capacities`), to pin a
         bucket across batches.
+      engine: ``"auto"`` (compiled planner and packer when built), ``"native"``, ``"python"``
+        (the NumPy reference); all give identical tables.
     Returns:
       :class:`DcpTables`.
     """
@@ -191,6 +213,7 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
                     ("num_comm_ctas", num_comm_ctas), ("merge_run", merge_run)):
         if isinstance(v, bool) or int(v) != v or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    eng = cw._engine(engine)
     hist = np.asarray(cw._int_vector(history_lengths, "history_lengths", lo=0), dtype=np.int64)
     S = hist.size
     qlen = np.asarray(cw._int_vector(query_lengths, "query_lengths", lo=1, size=S), dtype=np.int64)
@@ -200,21 +223,66 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     tiles0 = -(-local[0] // tile)
     qtt = max(1, rows_per_tile // H)
     cqt = max(1, rows_per_tile // hq)
-
-    # Chunk-attention tasks (identical on every rank).
+    # Chunk-attention tasks (identical on every rank): KV tiles of each, in request order.
     c_cnt = -(-qlen // cqt)
     c_req, c_k = _ranges(c_cnt)
-    c_qs = c_k * cqt
-    c_qe = np.minimum(c_qs + cqt, qlen[c_req])
-    c_tiles = -(-c_qe // tile)
+    c_tiles = -(-np.minimum(c_k * cqt + cqt, qlen[c_req]) // tile)
 
     plan = plan_splits(tiles0.tolist(), qlen.tolist(), params, heads=H,
                        rows_per_tile=rows_per_tile, vectors=(qlen * H).tolist(),
                        chunk_tiles=c_tiles.tolist(), hq=hq, merge_run=merge_run,
                        tile_tokens=tile, history_tokens=local[0].tolist(),
-                       num_comm_ctas=num_comm_ctas, dcp=P, fixed_splits=splits)
+                       num_comm_ctas=num_comm_ctas, dcp=P, fixed_splits=splits, engine=eng)
     s = np.asarray(plan.splits, dtype=np.int64)
     s = np.where(tiles0 > 0, s, 0)  # no history, no history tasks
+    caps = dict(capacities or {})
+    cap = lambda key, n: bucket(max(n, int(caps.get(key, 0))), min_capacity)  # noqa: E731
+    args = (qlen, tiles0, s, local, P, H, qtt, cqt, tile, plan.order, plan.epochs,
+            int(plan.copy_run), int(merge_run), max(1, num_comm_ctas // P), params.delta_attn)
+    if eng == "native":
+        tables, counts, num_epochs = _pack_native(*args, cap)
+    else:
+        tables, counts, num_epochs = _pack_python(*args, cap)
+    R_cap = cap("requests", S)
+    q_off = np.cumsum(qlen) - qlen
+    return DcpTables(
+        dcp=P, hq=int(hq), heads=H, tile=int(tile), q_tile_tokens=qtt, chunk_q_tile_tokens=cqt,
+        copy_run=int(plan.copy_run), merge_run=int(merge_run), order=plan.order,
+        num_epochs=num_epochs, plan=plan, num_requests=S,
+        **{_COUNT_NAMES[k]: v for k, v in counts.items()},
+        req_history=_pad(hist, R_cap), req_query=_pad(qlen, R_cap),
+        req_query_offset=_pad(q_off, R_cap), req_splits=_pad(np.asarray(plan.splits), R_cap),
+        req_local_len=_pad(local, R_cap), **tables)
+
+
+def _pack_native(qlen, tiles0, s, local, P, H, qtt, cqt, tile, order, epochs, copy_run,
+                 merge_run, per_epoch, delta_attn, cap):
+    counts, out = {}, []
+
+    def alloc(n):  # called once by the C packer with the row counts
+        counts.update(zip(("chunk", "history", "reductions", "reduction_inputs", "finals",
+                           "blocks"), n))
+        caps = {k: cap(k, v) for k, v in counts.items()}
+        out.extend(np.zeros((P, caps[key]) if name in ("hist_kv_start", "hist_kv_end")
+                            else caps[key], dtype=np.int32) for key, name in _PACK_FIELDS)
+        return tuple(out)
+
+    num_epochs = cw._cw_native.pack(
+        qlen.tolist(), tiles0.tolist(), s.tolist(), local.reshape(-1).tolist(), P, H, qtt, cqt,
+        tile, order == "lpt", None if epochs is None else list(epochs), copy_run, merge_run,
+        per_epoch, float(delta_attn), alloc)
+    return {name: a for (_, name), a in zip(_PACK_FIELDS, out)}, counts, int(num_epochs)
+
+
+def _pack_python(qlen, tiles0, s, local, P, H, qtt, cqt, tile, order, epochs, copy_run,
+                 merge_run, per_epoch, delta_attn, cap):
+    """The NumPy reference of the descriptor packing: ``(tables, counts, num_epochs)``."""
+    S = qlen.size
+    c_cnt = -(-qlen // cqt)
+    c_req, c_k = _ranges(c_cnt)
+    c_qs = c_k * cqt
+    c_qe = np.minimum(c_qs + cqt, qlen[c_req])
+    c_tiles = -(-c_qe // tile)
     qt = -(-qlen // qtt)
 
     # History tasks in enumeration order: request, split (larger first), query tile.
@@ -226,8 +294,8 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     base, rem = np.divmod(tiles0[t_req], np.maximum(s[t_req], 1))
     size = base + (j < rem)
     tstart = j * base + np.minimum(j, rem)
-    if plan.order == "lpt":
-        ep = np.asarray(plan.epochs, dtype=np.int64)
+    if order == "lpt":
+        ep = np.asarray(epochs, dtype=np.int64)
         perm = np.lexsort((np.arange(t_req.size), -size, ep[t_req]))
     else:
         perm = np.arange(t_req.size)
@@ -257,7 +325,6 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     enum_idx = first[g_req[in_owner]] + in_j * qt[g_req[in_owner]] + g_k[in_owner]
     red_inputs = pos[enum_idx]
     g_in_start = np.cumsum(g_s) - g_s
-    copy_run = int(plan.copy_run)
     g_run = np.where(g_s == 1, copy_run, merge_run)
     d_cnt = -(-g_nv // g_run)
     d_g, d_w = _ranges(d_cnt)
@@ -269,10 +336,9 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     f_req, f_b = _ranges(b_cnt)
     f_qs = f_b * QUERY_BLOCK
     f_qe = np.minimum(f_qs + QUERY_BLOCK, qlen[f_req])
-    per_epoch = max(1, num_comm_ctas // P)
-    if plan.order == "lpt":
-        cost = np.where(tiles0 > 0, qt * (tiles0 + s * params.delta_attn), 0.0)
-        blk, _ = cw.release_aware_epochs(cost, b_cnt, num_comm_ctas=num_comm_ctas, dcp=P)
+    if order == "lpt":
+        cost = np.where(tiles0 > 0, qt * (tiles0 + s * delta_attn), 0.0)
+        blk, _ = cw.release_aware_epochs(cost, b_cnt, num_comm_ctas=per_epoch, dcp=1)
         b_req, b_b, b_ep = blk[:, 0], blk[:, 1], blk[:, 2]
     else:
         b_req, b_b = f_req, f_b
@@ -280,34 +346,18 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     b_qs = b_b * QUERY_BLOCK
     b_qe = np.minimum(b_qs + QUERY_BLOCK, qlen[b_req])
 
-    caps = dict(capacities or {})
-    cap = lambda key, n: bucket(max(n, int(caps.get(key, 0))), min_capacity)  # noqa: E731
-    R_cap, C_cap, T_cap = cap("requests", S), cap("chunk", c_req.size), cap("history", h_req.size)
-    U_cap, I_cap = cap("reductions", d_g.size), cap("reduction_inputs", red_inputs.size)
-    F_cap, B_cap = cap("finals", f_req.size), cap("blocks", b_req.size)
-    q_off = np.cumsum(qlen) - qlen
-    return DcpTables(
-        dcp=P, hq=int(hq), heads=H, tile=int(tile), q_tile_tokens=qtt, chunk_q_tile_tokens=cqt,
-        copy_run=copy_run, merge_run=int(merge_run), order=plan.order,
-        num_epochs=int(b_ep.max()) + 1 if b_ep.size else 0, plan=plan,
-        num_requests=S, num_chunk_tasks=int(c_req.size), num_history_tasks=int(h_req.size),
-        num_reductions=int(d_g.size), num_reduction_inputs=int(red_inputs.size),
-        num_finals=int(f_req.size), num_blocks=int(b_req.size),
-        req_history=_pad(hist, R_cap), req_query=_pad(qlen, R_cap),
-        req_query_offset=_pad(q_off, R_cap), req_splits=_pad(np.asarray(plan.splits), R_cap),
-        req_local_len=_pad(local, R_cap),
-        chunk_request=_pad(c_req, C_cap), chunk_q_start=_pad(c_qs, C_cap),
-        chunk_q_end=_pad(c_qe, C_cap), chunk_kv_end=_pad(c_qe, C_cap),
-        chunk_tiles=_pad(c_tiles, C_cap),
-        hist_request=_pad(h_req, T_cap), hist_split=_pad(h_split, T_cap),
-        hist_q_start=_pad(h_qs, T_cap), hist_q_end=_pad(h_qe, T_cap),
-        hist_tiles=_pad(h_tiles, T_cap), hist_kv_start=_pad(h_kvs, T_cap),
-        hist_kv_end=_pad(h_kve, T_cap),
-        red_request=_pad(g_req[d_g], U_cap), red_q_start=_pad(g_qs[d_g], U_cap),
-        red_q_end=_pad(g_qe[d_g], U_cap), red_vec_start=_pad(r_vs, U_cap),
-        red_vec_count=_pad(r_vc, U_cap), red_input_start=_pad(g_in_start[d_g], U_cap),
-        red_input_count=_pad(g_s[d_g], U_cap), reduction_inputs=_pad(red_inputs, I_cap),
-        final_request=_pad(f_req, F_cap), final_q_start=_pad(f_qs, F_cap),
-        final_q_end=_pad(f_qe, F_cap),
-        block_request=_pad(b_req, B_cap), block_q_start=_pad(b_qs, B_cap),
-        block_q_end=_pad(b_qe, B_cap), block_epoch=_pad(b_ep, B_cap))
+    counts = dict(chunk=int(c_req.size), history=int(h_req.size), reductions=int(d_g.size),
+                  reduction_inputs=int(red_inputs.size), finals=int(f_req.size),
+                  blocks=int(b_req.size))
+    caps = {key: cap(key, n) for key, n in counts.items()}
+    vals = dict(
+        chunk_request=c_req, chunk_q_start=c_qs, chunk_q_end=c_qe, chunk_kv_end=c_qe,
+        chunk_tiles=c_tiles, hist_request=h_req, hist_split=h_split, hist_q_start=h_qs,
+        hist_q_end=h_qe, hist_tiles=h_tiles, hist_kv_start=h_kvs, hist_kv_end=h_kve,
+        red_request=g_req[d_g], red_q_start=g_qs[d_g], red_q_end=g_qe[d_g], red_vec_start=r_vs,
+        red_vec_count=r_vc, red_input_start=g_in_start[d_g], red_input_count=g_s[d_g],
+        reduction_inputs=red_inputs, final_request=f_req, final_q_start=f_qs, final_q_end=f_qe,
+        block_request=b_req, block_q_start=b_qs, block_q_end=b_qe, block_epoch=b_ep)
+    tables = {name: _pad(vals[name], caps[key]) for key, name in _PACK_FIELDS}
+    num_epochs = int(b_ep.max()) + 1 if b_ep.size else 0
+    return tables, counts, num_epochs

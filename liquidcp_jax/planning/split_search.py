@@ -8,14 +8,22 @@ joint ``+1`` on the sequences whose tasks tie at the attention tail, and accepts
 candidate only if it improves the current score. The result is the best of NoSplit, the
 search result and the FA3 reference, adopted over NoSplit only when it is at least
 ``min_gain`` (10 %) lower. Score ties favour earlier attention completion, then fewer
-attention tasks, then fewer total splits.
+attention tasks, then fewer total splits; a complete tie between two candidates of one
+iteration goes to the lower sequence index (the joint candidate last), so the plan does not
+depend on the order candidates happen to be simulated in.
 
 Candidates whose lower bound cannot beat the current score are skipped without simulating;
 the bound (below) is a proven lower bound of the model, so skipping never changes the result:
 
 * a task of ``c`` tile-equivalents runs at rate ``<= 1 / rho``, and its sequence's
   reductions start after it and cost ``>= delta_red + gamma * s``;
-* ``K`` CTAs complete at most ``k / tau(k) <= K`` tile-equivalents per unit time.
+* ``K`` CTAs complete at most ``k / tau(k) <= K`` tile-equivalents per unit time, and when
+  no chunk task exists the last attention task feeds a reduction of cost ``>= delta_red + gamma``.
+
+The compiled search (``_cw_native.c``, ``engine="native"``, the default when built) runs
+this same loop and additionally stops a candidate's simulation once its partial score shows
+it cannot win; tests check it returns exactly the plan of the straightforward search
+(``engine="python", prune=False``).
 
 Ordering follows §5.2: release-aware LPT for split decode-only plans, FIFO otherwise.
 """
@@ -108,7 +116,7 @@ class _Scorer:
                                         merge_tasks=merges)
         wl = cw._workload(self.tiles, list(splits), self.qtiles, self.vectors, self.chunk, p, order,
                           epochs, run, self.merge_run)
-        score, attn_end, ready = cw._simulate_bulk(wl, p)
+        score, attn_end, ready = cw._simulate_bulk(wl, p, "python")
         self.evaluations += 1
         ntasks = sum(qt * s for qt, s, n in zip(self.qtiles, splits, self.tiles) if n > 0)
         ntasks += len(self.chunk)
@@ -131,15 +139,16 @@ def fa3_reference_splits(history_tiles: Sequence[int], query_tokens: Sequence[in
       heads: gathered query heads per KV head (``P * hq``).
       history_tokens: ``(S,)`` local history tokens; default ``tiles * tile_tokens``.
     """
-    tiles = [int(x) for x in history_tiles]
-    toks = [n * tile_tokens for n in tiles] if history_tokens is None else [int(x) for x in history_tokens]
-    qs = [int(x) for x in query_tokens]
-    static = fa3_static_num_splits(len(tiles), max(qs), max(toks), num_heads=heads, num_heads_k=1,
-                                   num_sms=num_sms, block_m=rows_per_tile, block_n=tile_tokens)
-    n_blocks = [_ceil_div(k, tile_tokens) for k in toks]
-    m_blocks = [_ceil_div(q * heads, rows_per_tile) for q in qs]
-    dyn = fa3_dynamic_splits(n_blocks, m_blocks, static, num_sms=num_sms, num_head=1)
-    return tuple(max(1, min(s, n)) for s, n in zip(dyn, tiles))
+    tiles = np.asarray(history_tiles, dtype=np.int64)
+    toks = tiles * tile_tokens if history_tokens is None else np.asarray(history_tokens, np.int64)
+    qs = np.asarray(query_tokens, dtype=np.int64)
+    static = fa3_static_num_splits(tiles.size, int(qs.max()), int(toks.max()), num_heads=heads,
+                                   num_heads_k=1, num_sms=num_sms, block_m=rows_per_tile,
+                                   block_n=tile_tokens)
+    n_blocks = -(-toks // tile_tokens)
+    m_blocks = -(-(qs * heads) // rows_per_tile)
+    dyn = np.asarray(fa3_dynamic_splits(n_blocks, m_blocks, static, num_sms=num_sms, num_head=1))
+    return tuple(np.maximum(1, np.minimum(dyn, tiles)).tolist())
 
 
 def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], params: "cw.Params", *,
@@ -151,7 +160,8 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
                 num_comm_ctas: int = 16, dcp: int = 1, decode_max_query: int = 16,
                 min_decode_limit: int = 4, min_gain: float = 0.10,
                 max_splits: Sequence[int] | None = None,
-                fixed_splits: Sequence[int] | None = None) -> SplitPlan:
+                fixed_splits: Sequence[int] | None = None, engine: str = "auto",
+                prune: bool = True) -> SplitPlan:
     """Selects per-sequence KV split counts with the critical-wave model (§5.2).
 
     Args:
@@ -171,11 +181,16 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
       num_comm_ctas / dcp: ``M`` and ``P`` of the release-aware transfer epochs.
       max_splits: override the search's per-sequence limits.
       fixed_splits: score these splits instead of searching (NoSplit and FA3 still reported).
+      engine: ``"auto"`` (the compiled search when built, else Python), ``"native"``,
+        ``"python"`` (the reference); all return the same plan.
+      prune: skip candidates by the lower bound (never changes the plan; ``False`` is the
+        straightforward search that simulates every candidate).
     Returns:
       :class:`SplitPlan`.
     """
     if not isinstance(params, cw.Params):
         raise ValueError(f"params must be a critical_wave.Params, got {type(params).__name__}")
+    eng = cw._engine(engine)
     tiles = cw._int_vector(history_tiles, "history_tiles", lo=0)
     S = len(tiles)
     qs = cw._int_vector(query_tokens, "query_tokens", lo=1, size=S)
@@ -190,9 +205,10 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
     chunk = [] if len(chunk_tiles) == 0 else cw._int_vector(chunk_tiles, "chunk_tiles", lo=0)
     K = params.num_ctas
     rows_tokens = max(1, rows_per_tile // heads)
-    qtiles = [_ceil_div(q, rows_tokens) for q in qs]
-    decode = [q <= decode_max_query for q in qs]
-    decode_only = all(decode)
+    qs_a, tiles_a = np.asarray(qs, dtype=np.int64), np.asarray(tiles, dtype=np.int64)
+    qtiles = (-(-qs_a // rows_tokens)).tolist()
+    decode = qs_a <= decode_max_query
+    decode_only = bool(decode.all())
     if fa3_splits is None:
         fa3 = fa3_reference_splits(tiles, qs, heads=heads, num_sms=fa3_num_sms or K,
                                    rows_per_tile=rows_per_tile, tile_tokens=tile_tokens,
@@ -200,79 +216,36 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
     else:
         fa3 = tuple(cw._int_vector(fa3_splits, "fa3_splits", lo=1, size=S))
         cw._check_splits(tiles, list(fa3))
+    fa3_a = np.asarray(fa3, dtype=np.int64)
     if max_splits is None:
-        limits = [max(f, min_decode_limit) if (d and n >= K) else f
-                  for f, d, n in zip(fa3, decode, tiles)]
-        limits = tuple(max(1, min(lim, n)) for lim, n in zip(limits, tiles))
+        lim = np.where(decode & (tiles_a >= K), np.maximum(fa3_a, min_decode_limit), fa3_a)
     else:
-        limits = tuple(max(1, min(int(m), n)) for m, n in
-                       zip(cw._int_vector(max_splits, "max_splits", lo=1, size=S), tiles))
-    qblocks = [_ceil_div(q, QUERY_BLOCK) for q in qs]
-    sc = _Scorer(tiles, qtiles, vec, chunk, qblocks, decode_only, params,
-                 heads if hq is None else int(hq), num_comm_ctas, dcp, copy_run, merge_run)
-
+        lim = np.asarray(cw._int_vector(max_splits, "max_splits", lo=1, size=S), dtype=np.int64)
+    limits = tuple(np.maximum(1, np.minimum(lim, tiles_a)).tolist())
+    qblocks = (-(-qs_a // QUERY_BLOCK)).tolist()
     ones = tuple(1 for _ in tiles)
+    fixed = None
     if fixed_splits is not None:
         fixed = tuple(cw._int_vector(fixed_splits, "fixed_splits", lo=1, size=S))
         cw._check_splits(tiles, list(fixed))
+    hq_ = heads if hq is None else int(hq)
+    if hq_ < 1:
+        raise ValueError(f"hq must be an int >= 1, got {hq!r}")
+    if copy_run is not None and (int(copy_run) != copy_run or copy_run < 1):
+        raise ValueError(f"copy_run must be None or an int >= 1, got {copy_run!r}")
+    if eng == "native":
+        return _plan_native(tiles, qtiles, vec, chunk, qblocks, limits, fa3, decode_only, params,
+                            hq_, num_comm_ctas, dcp, copy_run, merge_run, min_gain, fixed, prune)
+    sc = _Scorer(tiles, qtiles, vec, chunk, qblocks, decode_only, params, hq_, num_comm_ctas, dcp,
+                 copy_run, merge_run)
+    if fixed is not None:
         nos_d, fa3_d, ch = sc.details(ones), sc.details(tuple(fa3)), sc.details(fixed)
         return SplitPlan(splits=fixed, score=ch[0][0], nosplit_score=nos_d[0][0],
                          fa3_splits=tuple(fa3), fa3_score=fa3_d[0][0], search_splits=fixed,
                          search_score=ch[0][0], limits=limits, order=ch[3], epochs=ch[4],
                          copy_run=ch[5], attention_end=ch[1], num_tasks=ch[0][2], iterations=0,
                          evaluations=sc.evaluations)
-    cur = ones
-    cur_d = sc.details(cur)
-    # Lower-bound ingredients (see module docstring).
-    p = params
-    n_arr = np.asarray(tiles, dtype=np.float64)
-    qt_arr = np.asarray(qtiles, dtype=np.float64)
-    has = n_arr > 0
-    lim_arr = np.asarray(limits)
-    chunk_work = float(sum(c + p.delta_attn for c in chunk))
-    tail_red = 0.0 if chunk else p.delta_red  # the last attention task may be a chunk task
-    iterations = 0
-    while True:
-        iterations += 1
-        s_arr = np.asarray(cur, dtype=np.float64)
-        seq_lb = np.where(has, p.rho * (np.ceil(n_arr / s_arr) + p.delta_attn)
-                          + p.delta_red + p.gamma * s_arr, 0.0)
-        work = float(np.sum(np.where(has, qt_arr * (n_arr + s_arr * p.delta_attn), 0.0))) + chunk_work
-        order_lb = np.sort(seq_lb)[::-1]
-        top1, top2 = (order_lb[0], order_lb[1] if S > 1 else 0.0)
-        cands = []
-        below = np.nonzero((np.asarray(cur) < lim_arr) & has)[0]
-        if below.size:
-            s1 = s_arr[below] + 1
-            new_lb = p.rho * (np.ceil(n_arr[below] / s1) + p.delta_attn) + p.delta_red + p.gamma * s1
-            rest = np.where(seq_lb[below] >= top1, top2, top1)
-            lb = np.maximum(np.maximum(new_lb, rest),
-                            (work + qt_arr[below] * p.delta_attn) / K + tail_red)
-            for j, b in zip(below.tolist(), lb.tolist()):
-                c = list(cur)
-                c[j] += 1
-                cands.append((b, tuple(c)))
-        # Joint +1 for sequences tied at the attention tail.
-        attn_end, ready = cur_d[1], cur_d[2]
-        tied = [i for i, t in ready.items() if abs(t - attn_end) <= 1e-9 * max(1.0, attn_end)
-                and cur[i] < limits[i]]
-        if len(tied) >= 2:
-            c = list(cur)
-            for i in tied:
-                c[i] += 1
-            cands.append((0.0, tuple(c)))
-        cur_score = cur_d[0][0]
-        best = None
-        for b, c in sorted(cands, key=lambda x: x[0]):
-            if b >= cur_score or (best is not None and b > best[0][0]):
-                continue
-            d = sc.details(c)
-            if d[0][0] < cur_score and (best is None or d[0] < best[0]):
-                best = d + (c,)
-        if best is None:
-            break
-        cur, cur_d = best[-1], best[:-1]
-    search, search_d = cur, cur_d
+    search, search_d, iterations = _search_python(sc, tiles, qtiles, limits, chunk, params, prune)
     nos_d = sc.details(ones)
     fa3_d = sc.details(tuple(fa3))
     pool = sorted([(nos_d[0], ones), (search_d[0], search), (fa3_d[0], tuple(fa3))])
@@ -285,3 +258,95 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
                      search_score=search_d[0][0], limits=limits, order=ch[3], epochs=ch[4],
                      copy_run=ch[5], attention_end=ch[1], num_tasks=ch[0][2],
                      iterations=iterations, evaluations=sc.evaluations)
+
+
+def _bound_clears(b: float, threshold: float) -> bool:
+    # Slack far above rounding noise and far below score differences: a skipped candidate
+    # provably cannot reach `threshold`, even after its score is rounded to 9 decimals.
+    return b - 1e-7 * max(1.0, b) >= threshold
+
+
+def _search_python(sc: _Scorer, tiles, qtiles, limits, chunk, p: "cw.Params", prune: bool):
+    """The iterative search of §5.2 from NoSplit; returns ``(splits, details, iterations)``.
+
+    Candidates of one iteration: ``+1`` on each sequence below its limit (candidate index =
+    the sequence), then the joint ``+1`` on the sequences tied at the attention tail (index
+    ``S``). The best improving candidate by (score, attention end, tasks, splits) wins; a
+    complete tie goes to the lower candidate index, so the result does not depend on the
+    order candidates are evaluated in. With ``prune``, candidates whose lower bound (module
+    docstring) cannot beat the current score, or the best one found so far, are skipped.
+    """
+    S = len(tiles)
+    K = p.num_ctas
+    cur = tuple(1 for _ in tiles)
+    cur_d = sc.details(cur)
+    n_arr = np.asarray(tiles, dtype=np.float64)
+    qt_arr = np.asarray(qtiles, dtype=np.float64)
+    has = n_arr > 0
+    lim_arr = np.asarray(limits)
+    chunk_work = float(sum(c + p.delta_attn for c in chunk))
+    # The last attention task may be a chunk task, whose end feeds no reduction.
+    tail_red = 0.0 if chunk else p.delta_red + p.gamma
+    iterations = 0
+    while True:
+        iterations += 1
+        cands = []
+        below = np.nonzero((np.asarray(cur) < lim_arr) & has)[0]
+        if below.size:
+            if prune:
+                s_arr = np.asarray(cur, dtype=np.float64)
+                seq_lb = np.where(has, p.rho * (np.ceil(n_arr / s_arr) + p.delta_attn)
+                                  + p.delta_red + p.gamma * s_arr, 0.0)
+                work = float(np.sum(np.where(has, qt_arr * (n_arr + s_arr * p.delta_attn), 0.0)))
+                work += chunk_work
+                order_lb = np.sort(seq_lb)[::-1]
+                top1, top2 = (order_lb[0], order_lb[1] if S > 1 else 0.0)
+                s1 = s_arr[below] + 1
+                new_lb = (p.rho * (np.ceil(n_arr[below] / s1) + p.delta_attn) + p.delta_red
+                          + p.gamma * s1)
+                rest = np.where(seq_lb[below] >= top1, top2, top1)
+                lb = np.maximum(np.maximum(new_lb, rest),
+                                (work + qt_arr[below] * p.delta_attn) / K + tail_red).tolist()
+            else:
+                lb = [0.0] * below.size
+            for j, b in zip(below.tolist(), lb):
+                c = list(cur)
+                c[j] += 1
+                cands.append((b, j, tuple(c)))
+        # Joint +1 for sequences tied at the attention tail.
+        attn_end, ready = cur_d[1], cur_d[2]
+        tied = [i for i, t in ready.items() if abs(t - attn_end) <= 1e-9 * max(1.0, attn_end)
+                and cur[i] < limits[i]]
+        if len(tied) >= 2:
+            c = list(cur)
+            for i in tied:
+                c[i] += 1
+            cands.append((0.0, S, tuple(c)))
+        cur_score = cur_d[0][0]
+        best = None  # (key, candidate index, details, splits)
+        for b, idx, c in sorted(cands, key=lambda x: (x[0], x[1])):
+            if prune and (_bound_clears(b, cur_score)
+                          or (best is not None and b - 1e-7 * max(1.0, b) > best[0][0])):
+                continue
+            d = sc.details(c)
+            if d[0][0] < cur_score and (best is None or (d[0], idx) < best[:2]):
+                best = (d[0], idx, d, c)
+        if best is None:
+            break
+        cur, cur_d = best[3], best[2]
+    return cur, cur_d, iterations
+
+
+def _plan_native(tiles, qtiles, vec, chunk, qblocks, limits, fa3, decode_only, p, hq, M, P,
+                 copy_run, merge_run, min_gain, fixed, prune) -> SplitPlan:
+    (chosen, search, iterations, evaluations, score, attn_end, ntasks, run, order, epochs,
+     nos_score, fa3_score, search_score) = cw._cw_native.plan(
+        tiles, qtiles, vec, chunk, qblocks, list(limits), list(fa3), bool(decode_only),
+        p.num_ctas, p.rho, p.delta_attn, p.delta_red, p.gamma, p.warps_per_cta, hq, M, P,
+        -1 if copy_run is None else int(copy_run), merge_run, float(min_gain),
+        None if fixed is None else list(fixed), bool(prune))
+    return SplitPlan(splits=chosen, score=score, nosplit_score=nos_score,
+                     fa3_splits=tuple(fa3), fa3_score=fa3_score, search_splits=search,
+                     search_score=search_score, limits=tuple(limits), order=order, epochs=epochs,
+                     copy_run=run, attention_end=attn_end, num_tasks=ntasks,
+                     iterations=iterations, evaluations=evaluations)

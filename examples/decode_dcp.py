@@ -1,0 +1,319 @@
+"""Greedy decoding with decode context parallelism (MegaDCP) on an emulated 8-device mesh.
+
+A tiny Flax NNX decoder (token embedding, RoPE, 2 layers of GQA attention with ONE KV head, i.e.
+one DCP group whose P ranks share that head, and an MLP) generates tokens for prompts of
+different lengths. Its KV cache is one packed history array per layer, ``[sum(history), 1, D]``,
+extended after every step. Each step is a batch of (history_lengths, query_lengths): prompts are
+prefilled in chunks (so early steps are mixed batches of prefill chunks and decodes), then every
+request decodes one token per step.
+
+The same model runs twice: with plain dense decode attention (jnp, one device) and with
+``lcp.megadcp_attention`` over the ``"dcp"`` mesh axis. The generated tokens must be equal.
+
+    python examples/decode_dcp.py [--new-tokens 8] [--dcp 8] [--prefill-chunk 16]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+if "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import liquidcp_jax as lcp  # noqa: E402
+
+
+def rope(x, positions, base: float = 10000.0):
+    """Rotary embedding of ``x: [T, H, D]`` at ``positions: [T]`` (half-split convention)."""
+    d = x.shape[-1] // 2
+    inv = base ** (-jnp.arange(d, dtype=jnp.float32) / d)
+    ang = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    x1, x2 = x[..., :d], x[..., d:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def dense_decode_attention(q, k_new, v_new, k_hist, v_hist, hist_seg, q_seg, q_pos):
+    """Plain single-device decode attention (the reference path of the example).
+
+    Query ``t`` of request ``q_seg[t]`` attends the history rows of its request and, causally,
+    the new tokens of its request up to itself. Rows are padded to fixed capacities (history
+    padding has ``hist_seg = -1``; query padding has its own segment ``-2``, so it sees itself
+    and stays finite).
+
+    Args:
+      q: ``[Tq, Hq, D]``; k_new, v_new: ``[Tq, 1, D]``; k_hist, v_hist: ``[N, 1, D]`` packed
+        history (request by request, padded at the end).
+      hist_seg: ``[N]`` request of each history row; q_seg, q_pos: ``[Tq]`` request and index
+        within the request's new tokens.
+    Returns:
+      ``[Tq, Hq, D]``.
+    """
+    same_new = q_seg[None, :] == q_seg[:, None]
+    mask = jnp.concatenate([hist_seg[None, :] == q_seg[:, None],
+                            same_new & (q_pos[None, :] <= q_pos[:, None])], axis=1)
+    k = jnp.concatenate([k_hist, k_new])[:, 0]
+    v = jnp.concatenate([v_hist, v_new])[:, 0]
+    s = jnp.einsum("thd,kd->thk", q, k) * q.shape[-1] ** -0.5
+    s = jnp.where(mask[:, None, :], s, -jnp.inf)
+    return jnp.einsum("thk,kd->thd", jax.nn.softmax(s, axis=-1), v).astype(q.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm GQA attention (``num_q_heads`` query heads, one KV head) + GELU MLP."""
+
+    def __init__(self, d_model: int, num_q_heads: int, head_dim: int, *, rngs: nnx.Rngs):
+        self.hq, self.dh = num_q_heads, head_dim
+        self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
+        self.q_proj = nnx.Linear(d_model, num_q_heads * head_dim, use_bias=False, rngs=rngs)
+        self.kv_proj = nnx.Linear(d_model, 2 * head_dim, use_bias=False, rngs=rngs)
+        # A strong attention branch makes the next token depend on the context, not only on the
+        # current token (a random model otherwise falls into fixed points), so matching tokens
+        # exercise the attention.
+        self.o_proj = nnx.Linear(num_q_heads * head_dim, d_model, use_bias=False, rngs=rngs,
+                                 kernel_init=nnx.initializers.normal(1.0))
+        self.norm2 = nnx.RMSNorm(d_model, rngs=rngs)
+        self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
+        self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+
+    def __call__(self, x, positions, attend):
+        """``x: [Tq, d_model]``; ``attend(q, k_new, v_new) -> [Tq, Hq, D]``.
+        Returns ``(x, (k_new, v_new))`` with ``k_new, v_new: [Tq, 1, D]`` for the cache."""
+        h = self.norm1(x)
+        q = rope(self.q_proj(h).reshape(-1, self.hq, self.dh), positions)
+        kv = self.kv_proj(h).reshape(-1, 2, 1, self.dh)
+        k_new, v_new = rope(kv[:, 0], positions), kv[:, 1]
+        x = x + self.o_proj(attend(q, k_new, v_new).reshape(x.shape[0], -1))
+        x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+        return x, (k_new, v_new)
+
+
+class TinyDecoder(nnx.Module):
+    """Token embedding, ``num_layers`` :class:`DecoderLayer`, final norm, LM head."""
+
+    def __init__(self, vocab: int, d_model: int, num_layers: int, num_q_heads: int, head_dim: int,
+                 *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(d_model, num_q_heads, head_dim, rngs=rngs)
+                                for _ in range(num_layers)])
+        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.head = nnx.Linear(d_model, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens, positions, attend_fns):
+        """``tokens, positions: [Tq]``; ``attend_fns[l]`` is layer ``l``'s attention over its cache.
+        Returns ``(logits [Tq, vocab], [(k_new, v_new)] per layer)``."""
+        x = self.embed(tokens)
+        new_kv = []
+        for layer, attend in zip(self.layers, attend_fns):
+            x, kv = layer(x, positions, attend)
+            new_kv.append(kv)
+        return self.head(self.norm(x)), new_kv
+
+
+def schedule(prompt_lengths, new_tokens: int, prefill_chunk: int):
+    """The steps' ``(history_lengths, query_lengths)``: chunked prefill, then one token per step.
+
+    The schedule does not depend on the sampled tokens, so it can be planned (and its capacity
+    bucket fixed) before decoding starts.
+    """
+    prompt = np.asarray(prompt_lengths, np.int64)
+    cached = np.zeros_like(prompt)
+    made = np.zeros_like(prompt)
+    steps = []
+    while (made < new_tokens).any():
+        in_prompt = cached < prompt
+        q = np.where(in_prompt, np.minimum(prefill_chunk, prompt - cached), 1)
+        steps.append((cached.copy(), q))
+        cached += q
+        made += (cached >= prompt).astype(np.int64)  # a prompt's last chunk yields its first token
+    return steps
+
+
+def append_index(history_lengths, query_lengths, capacity: int) -> np.ndarray:
+    """``[capacity]`` gather index into ``concat(cache [capacity], new [Tq_cap])`` giving the
+    extended packed cache: per request its history rows, then its new tokens; padding rows read
+    row ``capacity - 1`` of the old cache, which is always padding."""
+    h, q = np.asarray(history_lengths, np.int64), np.asarray(query_lengths, np.int64)
+    h_off = np.cumsum(h) - h
+    q_off = np.cumsum(q) - q
+    idx = [np.concatenate([h_off[r] + np.arange(h[r]), capacity + q_off[r] + np.arange(q[r])])
+           for r in range(h.size)]
+    idx = np.concatenate(idx)
+    if idx.size >= capacity:
+        raise ValueError(f"capacity {capacity} must exceed the {idx.size} cached tokens")
+    return np.concatenate([idx, np.full(capacity - idx.size, capacity - 1)]).astype(np.int32)
+
+
+def _pad(x, n, fill):
+    return np.concatenate([np.asarray(x), np.full(n - len(x), fill, np.asarray(x).dtype)])
+
+
+#: Traces of each jitted step function (a trace-time side effect): one per compiled program.
+TRACES = {"dense": 0, "megadcp": 0}
+
+
+# The steps take (graphdef, params) rather than the module: parameters are inputs only, never
+# written back (nnx.jit would write them back with the shardings XLA picked, and retrace).
+@functools.partial(jax.jit, static_argnums=0)
+def _step_dense(graphdef, params, tokens, positions, caches, append_idx, hist_seg, q_seg, q_pos):
+    TRACES["dense"] += 1
+    model = nnx.merge(graphdef, params)
+    fns = [lambda q, kn, vn, c=c: dense_decode_attention(q, kn, vn, c[0], c[1], hist_seg, q_seg, q_pos)
+           for c in caches]
+    logits, new_kv = model(tokens, positions, fns)
+    return logits, _extend(caches, new_kv, append_idx)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step_megadcp(graphdef, params, tokens, positions, caches, append_idx, plan):
+    TRACES["megadcp"] += 1
+    model = nnx.merge(graphdef, params)
+    # Inside jit the plan carries only its fixed-capacity tables, so the packed cache may be
+    # longer than sum(history_lengths): plan.shard_history reads only the planned rows.
+    fns = [lambda q, kn, vn, c=c: _replicated(lcp.megadcp_attention(
+        q, kn, vn, c[0], c[1], plan, history_layout="packed"), plan.mesh) for c in caches]
+    logits, new_kv = model(tokens, positions, fns)
+    return logits, _extend(caches, new_kv, append_idx)
+
+
+def _replicated(x, mesh):
+    # The op returns heads sharded over the DCP axis (each rank its Hq / P heads); this model's
+    # output projection is not tensor-parallel, so it gathers them (on an Explicit-axis mesh,
+    # jax.make_mesh's default, a sharded contraction would otherwise be ambiguous).
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, rep)
+    return jax.lax.with_sharding_constraint(x, rep)
+
+
+def _extend(caches, new_kv, idx):
+    return [tuple(jnp.concatenate([c, n])[idx] for c, n in zip(cache, kv))
+            for cache, kv in zip(caches, new_kv)]
+
+
+def generate(model: TinyDecoder, prompts, new_tokens: int, *, attention: str, mesh=None,
+             prefill_chunk: int = 16, capacities=None):
+    """Greedy decoding; returns ``(tokens [len(prompts), new_tokens], logits per step)``.
+
+    Every step runs one jitted program of fixed shapes: new tokens are padded to
+    ``capacities["query_tokens"]`` and the packed KV cache has a fixed row capacity, so the
+    whole decode compiles once per path. ``attention="dense"`` uses
+    :func:`dense_decode_attention`; ``"megadcp"`` plans each step with ``lcp.plan_megadcp`` on
+    ``mesh``'s ``"dcp"`` axis (capacities pinned by ``capacities``, default: the largest bucket
+    of the schedule) and runs ``lcp.megadcp_attention``.
+    """
+    if attention not in ("dense", "megadcp"):
+        raise ValueError(f'attention must be "dense" or "megadcp", got {attention!r}')
+    lengths = [len(p) for p in prompts]
+    steps = schedule(lengths, new_tokens, prefill_chunk)
+    d = model.layers[0].dh
+    if capacities is None:
+        capacities = ({"query_tokens": max(int(q.sum()) for _, q in steps)} if attention == "dense"
+                      else pinned_capacities(steps, mesh, model.layers[0].hq, d))
+    tq_cap = int(capacities["query_tokens"])
+    cache_cap = int(max((h + q).sum() for h, q in steps)) + 1  # + 1: a row that is always padding
+    prompt_tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+    p_off = np.cumsum(lengths) - np.asarray(lengths)
+    caches = [(jnp.zeros((cache_cap, 1, d)), jnp.zeros((cache_cap, 1, d))) for _ in model.layers]
+    if attention == "megadcp":
+        # Start the cache with the sharding the step returns it in, so step 2 does not retrace.
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        caches = jax.device_put(caches, rep)
+    graphdef, params = nnx.split(model)
+    out = [[] for _ in prompts]
+    step_logits = []
+    for hist, qlen in steps:
+        toks, pos = [], []
+        for r, (h, q) in enumerate(zip(hist, qlen)):
+            if h < lengths[r]:
+                toks.append(prompt_tokens[p_off[r] + h:p_off[r] + h + q])
+            else:
+                toks.append(np.asarray(out[r][h - lengths[r]:h - lengths[r] + 1], np.int32))
+            pos.append(np.arange(h, h + q))
+        tokens = jnp.asarray(_pad(np.concatenate(toks), tq_cap, 0))
+        positions = jnp.asarray(_pad(np.concatenate(pos), tq_cap, 0))
+        idx = jnp.asarray(append_index(hist, qlen, cache_cap))
+        if attention == "dense":
+            q_seg = np.repeat(np.arange(len(qlen)), qlen)
+            q_pos = np.concatenate([np.arange(q) for q in qlen])
+            logits, caches = _step_dense(
+                graphdef, params, tokens, positions, caches, idx,
+                jnp.asarray(_pad(np.repeat(np.arange(len(hist)), hist), cache_cap, -1)),
+                jnp.asarray(_pad(q_seg, tq_cap, -2)), jnp.asarray(_pad(q_pos, tq_cap, 0)))
+        else:
+            plan = lcp.plan_megadcp(hist, qlen, mesh, "dcp", num_q_heads=model.layers[0].hq,
+                                    head_dim=d, tile=16, capacities=capacities)
+            logits, caches = _step_megadcp(graphdef, params, tokens, positions, caches, idx, plan)
+        valid = np.asarray(logits)[:int(qlen.sum())]
+        step_logits.append(valid)
+        nxt = valid[np.cumsum(qlen) - 1].argmax(axis=-1)
+        for r in range(len(prompts)):
+            if hist[r] + qlen[r] >= lengths[r]:  # requests done early keep decoding; cut below
+                out[r].append(int(nxt[r]))
+    return np.asarray([o[:new_tokens] for o in out], np.int64), step_logits
+
+
+def pinned_capacities(steps, mesh, num_q_heads: int, head_dim: int):
+    """The largest capacity bucket over a schedule's plans (pass it to every step's plan)."""
+    caps: dict = {}
+    for hist, qlen in steps:
+        c = lcp.plan_megadcp(hist, qlen, mesh, "dcp", num_q_heads=num_q_heads, head_dim=head_dim,
+                             tile=16).capacity
+        caps = {k: max(v, caps.get(k, 0)) for k, v in c.items()}
+    return caps
+
+
+def main(argv=None, log=print):
+    """Runs both paths; returns ``{"dense", "megadcp"}`` tokens ``[R, new_tokens]``, the logits'
+    ``logits_rel_error``, the jitted step ``traces`` per path and the ``steps`` schedule."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--dcp", type=int, default=8, help="DCP degree P (mesh axis size)")
+    ap.add_argument("--prompt-lengths", default="5,23,40,11", help="comma-separated prompt lengths")
+    ap.add_argument("--prefill-chunk", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    vocab, d_model = 97, 64
+    num_q_heads = 2 * args.dcp  # each rank owns Hq / P = 2 query heads of the one KV head
+    if args.dcp > jax.device_count():
+        raise ValueError(f"--dcp {args.dcp} exceeds the {jax.device_count()} available devices")
+    mesh = jax.make_mesh((args.dcp,), ("dcp",))
+    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, vocab, n) for n in lengths]
+    model = TinyDecoder(vocab, d_model, args.layers, num_q_heads, args.head_dim, rngs=nnx.Rngs(args.seed))
+
+    steps = schedule(lengths, args.new_tokens, args.prefill_chunk)
+    caps = pinned_capacities(steps, mesh, num_q_heads, args.head_dim)
+    before = dict(TRACES)
+    dense, dense_logits = generate(model, prompts, args.new_tokens, attention="dense",
+                                   prefill_chunk=args.prefill_chunk, capacities=caps)
+    dcp, dcp_logits = generate(model, prompts, args.new_tokens, attention="megadcp", mesh=mesh,
+                               prefill_chunk=args.prefill_chunk, capacities=caps)
+    err = max(lcp.reference.rel_error(a, b) for a, b in zip(dcp_logits, dense_logits))
+    log(f"{len(prompts)} prompts of lengths {lengths}, {len(steps)} steps "
+        f"({sum(1 for h, q in steps if (q > 1).any())} with prefill chunks), DCP degree {args.dcp}, "
+        f"Hq={num_q_heads}, one KV head, D={args.head_dim}")
+    for r in range(len(prompts)):
+        log(f"  request {r}: dense   {dense[r].tolist()}")
+        log(f"  request {r}: megadcp {dcp[r].tolist()}")
+    traces = {k: TRACES[k] - before[k] for k in TRACES}
+    log(f"max rel. Frobenius error of the logits (MegaDCP vs dense), over steps: {err:.2e}")
+    log(f"jitted step traces for {len(steps)} steps: dense {traces['dense']}, megadcp {traces['megadcp']}")
+    if not np.array_equal(dense, dcp):
+        raise AssertionError("MegaDCP tokens differ from the dense-attention tokens")
+    log("tokens equal: OK")
+    return {"dense": dense, "megadcp": dcp, "logits_rel_error": err, "traces": traces, "steps": steps}
+
+
+if __name__ == "__main__":
+    main()

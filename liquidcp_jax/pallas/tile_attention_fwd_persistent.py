@@ -1,0 +1,296 @@
+"""Persistent variant of the task-table tile attention forward (Pallas Mosaic GPU, Hopper sm_90a).
+
+Same warp specialization, masking and outputs as :mod:`tile_attention_fwd` (two compute warpgroups
+of ``block_q`` rows ping-ponging on a schedule barrier, one TMA producer warpgroup), but the grid is
+one CTA per SM and every CTA walks a static list of ``(task, head)`` work items (paper §6: a fused
+persistent engine; on Hopper persistence is static, ``dynamic_scheduling_loop`` is Blackwell-only).
+
+Why: with one non-persistent CTA per item, each CTA pays its Q load, the first KV loads and the
+output store with the SM idle, which dominates short causal tasks (packed batches of ~1K-token
+sequences). Here the producer runs ahead across item boundaries: the KV ring and a double-buffered
+Q tile carry over, so the next item's loads overlap the current item's last tiles and epilogue.
+
+Work order: items ``task * Hq + head`` with tasks heaviest first (the table is launch-ordered), so
+the q heads sharing a KV head run side by side (L2 reuse); CTA ``c`` takes item ``r * G + c`` in even
+rounds ``r`` and ``r * G + G - 1 - c`` in odd rounds (snake), which keeps the per-CTA sums of a
+decreasing work list within about one item of each other.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from liquidcp_jax.pallas import tables as tables_lib
+from liquidcp_jax.pallas.tile_attention_fwd import _LN2, _LOG2E, TuningConfig, _ladder_store
+
+
+def num_sms(default: int = 132) -> int:
+  """Streaming multiprocessors of the first device (the persistent grid size)."""
+  try:
+    n = getattr(jax.devices()[0], "core_count", None)
+  except RuntimeError:  # pragma: no cover
+    n = None
+  return int(n) if n else default
+
+
+def item_of(cta, r, num_ctas):
+  """Snake order: the work item CTA ``cta`` runs in round ``r`` (may be >= the item count)."""
+  even = lax.rem(r, 2) == 0
+  return r * num_ctas + jnp.where(even, cta, num_ctas - 1 - cta)
+
+
+def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: float,
+                                  config: TuningConfig, interpret: bool = False):
+  """Runs the persistent forward kernel. Arguments and results as ``tile_attention_fwd``.
+
+  q: [Tq, Hq, D], k/v: [Tk, Hkv, D], table: int32 [n_tasks, NUM_FIELDS]. Returns out [Tq, Hq, D]
+  and lse_pad [Hq, n_tasks * task_rows] float32 (natural log).
+  """
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  dtype = q.dtype
+  bq, bkv, mcs = config.block_q, config.block_kv, config.max_concurrent_steps
+  tr = config.task_rows
+  group = hq // hkv
+  scale2 = float(sm_scale) * _LOG2E
+  fld = tables_lib.F
+  n_items = n_tasks * hq
+  g_ctas = max(1, min(config.num_ctas or num_sms(), n_items))
+  n_rounds = -(-n_items // g_ctas)
+
+  def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    (q_smem4, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
+    k_bar, v_bar, q_bar = bars
+    k_used, v_used, q_free = consumed
+    cta = lax.axis_index("sm")
+    wg = lax.axis_index("wg")
+
+    def item_fields(r):
+      item = item_of(cta, r, g_ctas)
+      live = item < n_items
+      item = jnp.minimum(item, n_items - 1)
+      task = lax.div(item, jnp.int32(hq))
+      head = item - task * hq
+      return live, task, head
+
+    def sched_sync():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      r0 = wg * bq  # this warpgroup's first row inside the task tile
+      o_smem = o_smem2.at[wg]
+      lse_smem = lse_smem2.at[wg]
+
+      def run_item(r, c0):
+        live, task, head = item_fields(r)
+        get = lambda name: tab_ref[task, fld[name]]
+        n_tiles = jnp.where(live, get("n_tiles"), 0)
+
+        @pl.when(live)
+        def _():
+          q_lo, q_hi = get("q_lo"), get("q_hi")
+          q_base = pl.multiple_of(get("q_base"), tables_lib.ROW_ALIGN)
+          kv_lo, kv_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
+          full_lo, full_hi = get("full_lo"), get("full_hi")
+          qs = lax.rem(r, 2)
+          q_smem = q_smem4.at[qs, wg]
+          plgpu.barrier_wait(q_bar.at[qs * 2 + wg])
+          m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+          l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+          acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+          @pl.when(n_tiles > 0)
+          def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(c0, jnp.int32(mcs))])
+
+          pl.when(wg == 1)(sched_sync)
+
+          def step(j, carry, masked):
+            acc, m_i, l_i = carry
+            slot = lax.rem(c0 + j, jnp.int32(mcs))
+
+            def qk_scope(s_ref):
+              plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+              sched_sync()
+              return s_ref[...]
+
+            s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
+            plgpu.barrier_arrive(k_used.at[slot])
+            s = s * scale2  # log2 units: p = exp2(s - m)
+            if masked:
+              rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + r0
+              kk = (plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    + j * bkv)
+              ok = (kk >= kv_lo) & (kk < kv_hi)
+              if causal:
+                ok = ok & (kk <= rr + diag)
+              s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            if masked:
+              # A row with no visible key so far keeps m = -inf; subtract 0 instead of NaN.
+              m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            else:
+              m_use = m_new
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)
+
+            def prefetch_wait():
+              @pl.when(j + 1 < n_tiles)
+              def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(c0 + j + 1, jnp.int32(mcs))])
+
+            if interpret:
+              # The CPU interpreter has no register-LHS wgmma nor run_state: stage P in SMEM.
+              p_smem = p_smem2.at[wg]
+              p_smem[...] = p16
+              plgpu.commit_smem()
+
+              def pv_scope(pv_ref):
+                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+                prefetch_wait()
+                return pv_ref[...]
+
+              acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((bq, d), jnp.float32))
+            else:
+              def pv_state(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                prefetch_wait()
+
+              acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_used.at[slot])
+            return acc, m_new, l_i
+
+          carry = (acc, m_i, l_i)
+          carry = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), carry)
+          carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+          acc, m_i, l_i = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True),
+                                        carry)
+          # Q of this slot may be refilled (for round r + 2) once both warpgroups are past it.
+          plgpu.barrier_arrive(q_free.at[qs])
+          pl.when(wg == 0)(sched_sync)
+
+          empty = l_i == 0.0
+          inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
+          # The previous item's stores read o_smem / lse_smem asynchronously: let them finish.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+          lse_smem[...] = jnp.where(empty, -jnp.inf,
+                                    m_i * _LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+          plgpu.commit_smem()
+          lo = jnp.clip(q_lo - r0, 0, bq)
+          hi = jnp.clip(q_hi - r0, 0, bq)
+          _ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
+                        lo, hi - lo, bq)
+          plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(task * tr + r0, bq)])
+
+        return c0 + n_tiles
+
+      lax.fori_loop(0, n_rounds, run_item, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def run_item(r, c0):
+        live, task, head = item_fields(r)
+        get = lambda name: tab_ref[task, fld[name]]
+        n_tiles = jnp.where(live, get("n_tiles"), 0)
+
+        @pl.when(live)
+        def _():
+          q_base = pl.multiple_of(get("q_base"), tables_lib.ROW_ALIGN)
+          kv_base = pl.multiple_of(get("kv_base"), tables_lib.ROW_ALIGN)
+          kv_head = lax.div(head, jnp.int32(group))
+          qs = lax.rem(r, 2)
+
+          @pl.when(r >= 2)
+          def _():
+            plgpu.barrier_wait(q_free.at[qs])
+
+          for w in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + w * bq, bq), head],
+                                    q_smem4.at[qs, w], q_bar.at[qs * 2 + w])
+
+          @pl.loop(0, n_tiles)
+          def _(j):
+            c = c0 + j
+            slot = lax.rem(c, jnp.int32(mcs))
+
+            @pl.when(c >= mcs)
+            def _():
+              plgpu.barrier_wait(k_used.at[slot])
+              plgpu.barrier_wait(v_used.at[slot])
+
+            rows = pl.ds(kv_base + j * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+
+        return c0 + n_tiles
+
+      total = lax.fori_loop(0, n_rounds, run_item, jnp.int32(0))
+
+      # Observe the last consumptions too, so every barrier phase is seen before teardown.
+      @pl.loop(jnp.maximum(total - mcs, 0), total)
+      def _(c):
+        slot = lax.rem(c, jnp.int32(mcs))
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+
+      # Same for the Q slots of the last (up to) two live rounds (only the last can be dead).
+      last_live = (item_of(cta, jnp.int32(n_rounds - 1), g_ctas) < n_items).astype(jnp.int32)
+      n_live = jnp.int32(n_rounds - 1) + last_live
+
+      @pl.loop(jnp.maximum(n_live - 2, 0), n_live)
+      def _(r):
+        plgpu.barrier_wait(q_free.at[lax.rem(r, 2)])
+
+  def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+    tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [
+        plgpu.SMEM((2, 2, bq, d), dtype, transforms=tf),  # [Q slot, warpgroup]
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+        plgpu.SMEM((2, bq, d), dtype),  # untiled: the row ladder slices it at any row
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
+    ]
+    pl.run_scoped(
+        lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, a),
+        scratch,
+        (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
+         plgpu.Barrier(num_barriers=4)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+         plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+         plgpu.Barrier(num_arrivals=2, num_barriers=2)),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  out_type = (jax.ShapeDtypeStruct((tq, hq, d), dtype),
+              jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
+  kw = {}
+  if interpret:
+    kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="zero")
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=(g_ctas,), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), **kw,
+  )(table, q, k, v)
