@@ -20,6 +20,32 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from liquidcp_jax.cli_plan import evaluate, format_table  # noqa: E402
+from liquidcp_jax.planning import metrics  # noqa: E402
+from liquidcp_jax.planning.buddyring import buddyring_search  # noqa: E402
+from liquidcp_jax.workloads import sample_batch  # noqa: E402
+
+
+def shard_floor(dataset: str, budget: str, devices: int, batches: int) -> np.ndarray:
+    """Per-batch :func:`metrics.shard_lower_bound`: fewer shards cannot meet both tolerances."""
+    return np.asarray([metrics.shard_lower_bound(sample_batch(dataset, budget, s), devices)
+                       for s in range(batches)])
+
+
+def rank_shards_variant(dataset: str, budget: str, devices: int, batches: int,
+                        megatron_shards) -> dict:
+    """BuddyRing with ``rank_shards=True`` (shards ranked right after V; not the paper's order)."""
+    rows = []
+    for s in range(batches):
+        lengths = sample_batch(dataset, budget, s)
+        t = time.perf_counter()
+        r = buddyring_search(lengths, devices, rank_shards=True)
+        rows.append((r.d_t, r.d_w, r.placement.num_shards, r.feasible,
+                     (time.perf_counter() - t) * 1e3))
+    a = np.asarray(rows, dtype=np.float64)
+    return {"mean_d_t": float(a[:, 0].mean()), "mean_d_w": float(a[:, 1].mean()),
+            "mean_shards": float(a[:, 2].mean()), "hit_rate": float(a[:, 3].mean()),
+            "more_shards_than_megatron": int(np.sum(a[:, 2] > np.asarray(megatron_shards))),
+            "ms_median": float(np.median(a[:, 4])), "ms_p95": float(np.percentile(a[:, 4], 95))}
 
 DATASETS = ("prolong", "arxiv", "freelaw", "github", "pilecc")
 BUDGETS = ("64K", "128K", "256K")
@@ -44,12 +70,28 @@ def main(argv=None) -> int:
             key = f"{ds}_{budget}"
             bud = r["per_batch"]["buddyring"]
             meg = r["per_batch"]["megatron"]
+            b_sh, m_sh = np.asarray(bud["shards"]), np.asarray(meg["shards"])
+            floor = shard_floor(ds, budget, args.devices, args.batches)
+            more = b_sh > m_sh
             results[key] = {
                 "config": r["config"], "placements": r["placements"],
                 "buddyring_ms": bud["ms"],
-                "buddyring_more_shards_than_megatron": int(np.sum(
-                    np.asarray(bud["shards"]) > np.asarray(meg["shards"]))),
+                "buddyring_more_shards_than_megatron": int(np.sum(more)),
+                # Megatron below the floor cannot meet the tolerances with its shard count.
+                "megatron_below_shard_floor": int(np.sum(m_sh < floor)),
+                "more_shards_where_megatron_at_or_above_floor": int(np.sum(more & (m_sh >= floor))),
+                "buddyring_shards_over_floor_mean": float(np.mean(b_sh - floor)),
+                "buddyring_minus_megatron_shards_max": int(np.max(b_sh - m_sh)),
             }
+            if budget == "128K":
+                results[key]["rank_shards_variant"] = rank_shards_variant(
+                    ds, budget, args.devices, args.batches, m_sh)
+            print(f"  shards: BuddyRing > Megatron in {int(np.sum(more))} batches; Megatron "
+                  f"below the tolerance floor in {results[key]['megatron_below_shard_floor']}; "
+                  f"BuddyRing over the floor by {results[key]['buddyring_shards_over_floor_mean']:.2f}"
+                  f" on average", flush=True)
+            if "rank_shards_variant" in results[key]:
+                print(f"  rank_shards=True: {results[key]['rank_shards_variant']}", flush=True)
             if budget == "128K":
                 ms_128k.extend(bud["ms"])
     fl = results["freelaw_128K"]["placements"]
@@ -63,6 +105,8 @@ def main(argv=None) -> int:
         "freelaw_128K_zeppelin_mean": (fl["zeppelin"]["mean_d_t"], fl["zeppelin"]["mean_d_w"]),
         "batches_with_more_shards_than_megatron": {
             k: v["buddyring_more_shards_than_megatron"] for k, v in results.items()},
+        "batches_megatron_below_shard_floor": {
+            k: v["megatron_below_shard_floor"] for k, v in results.items()},
         "planning_ms_128K_all_datasets": {"median": float(np.median(ms)),
                                           "p95": float(np.percentile(ms, 95)),
                                           "max": float(ms.max())},

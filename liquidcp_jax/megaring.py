@@ -45,6 +45,7 @@ class PlanStatic:
     causal: bool
     num_tokens: int
     all_local: bool = False   # every group has size 1: no KV exchange (the Pallas one-step path)
+    memory_budget: int = xla_exec.DEFAULT_MEMORY_BUDGET   # bytes per chunk of XLA-executor tasks
 
     @property
     def local_capacity(self) -> int:
@@ -53,7 +54,8 @@ class PlanStatic:
 
     def exec_spec(self, scale: float) -> xla_exec.ExecSpec:
         return xla_exec.ExecSpec(self.axis_name, self.num_devices, self.tile_size, self.section_sizes,
-                                 self.section_tiles, self.task_tiles, self.causal, float(scale))
+                                 self.section_tiles, self.task_tiles, self.causal, float(scale),
+                                 int(self.memory_budget))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -186,7 +188,8 @@ def _resolve_placement(placement, lengths, num_devices) -> planning.Placement:
 
 def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "buddyring", *,
                   causal: bool = True, tile_size: int = 128, task_tiles: int = 8,
-                  capacity: dict[str, Any] | None = None) -> MegaRingPlan:
+                  capacity: dict[str, Any] | None = None,
+                  memory_budget: int = xla_exec.DEFAULT_MEMORY_BUDGET) -> MegaRingPlan:
     """Plans a packed batch for MegaRing (host side, NumPy).
 
     Args:
@@ -199,6 +202,9 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
         executor's cap on ``tau_max = 4H``; ``tau_min = H/2`` is capped by it too).
       capacity: optional floors ``{"sections": {g: tiles}, "fwd_tasks": K, "bwd_pairs": P}``
         to pin a capacity bucket across batches.
+      memory_budget: bytes the XLA executor's intermediates for one chunk of tasks may take (scores and
+        probabilities of ``c`` tasks); a step's tasks run ``c`` at a time, so peak temporary memory is
+        the budget plus f32 accumulators of the local shard, not a whole step's scores. Default 512 MiB.
     Returns:
       a ``MegaRingPlan``.
     """
@@ -213,6 +219,8 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
         raise ValueError(f"tile_size must be a positive multiple of 8; got {tile_size}")
     if task_tiles < 1:
         raise ValueError(f"task_tiles must be >= 1; got {task_tiles}")
+    if int(memory_budget) < 1:
+        raise ValueError(f"memory_budget must be a positive number of bytes; got {memory_budget}")
     pl = _resolve_placement(placement, lengths, N)
     capacity = capacity or {}
     layout = build_layout(lengths, pl.starts, pl.sizes, N, tile_size, capacity.get("sections"))
@@ -220,7 +228,7 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
                                                   task_tiles=task_tiles, min_caps=capacity)
     all_local = bool(np.all(pl.sizes == 1))
     static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
-                        int(task_tiles), bool(causal), int(sum(lengths)), all_local)
+                        int(task_tiles), bool(causal), int(sum(lengths)), all_local, int(memory_budget))
     return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, _local_segments(layout, pl),
                         pl, seqinfo)
 

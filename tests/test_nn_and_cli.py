@@ -48,3 +48,34 @@ def test_cli(args, expect):
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert expect in r.stdout
+
+
+def test_demo_sampled_check_in_process(capsys):
+    from liquidcp_jax import demo
+    assert demo.main(["--tokens", "1K", "--check", "sampled", "--cpu", "--placement", "all_cp"]) == 0
+    out = capsys.readouterr().out
+    assert "sampled: KV head" in out and "dq(rows)=" in out and "OK" in out
+
+
+def test_sampled_check_detects_errors(rng):
+    from liquidcp_jax import demo, reference as ref
+    lengths = [300, 1, 45, 120]
+    T, hq, hkv, d = sum(lengths), 4, 2, 8
+    q, do = rng.standard_normal((T, hq, d)), rng.standard_normal((T, hq, d))
+    k, v = rng.standard_normal((T, hkv, d)), rng.standard_normal((T, hkv, d))
+    got = [ref.attention_reference(q, k, v, lengths)[0], *ref.attention_reference_vjp(q, k, v, do, lengths)]
+    errs, _ = demo._sampled_errors(ref, [q, k, v, do], got, lengths, hq, hkv, np.random.default_rng(0))
+    assert set(errs) >= {"out", "dq", "dk", "dv", "out(rows)", "dq(rows)"} and max(errs.values()) < 1e-12
+    # The longest sequence's last rows are always among the sampled rows, even when the sequence is
+    # too long for the whole-sequence subset.
+    bad = [x.copy() for x in got]
+    bad[0][299] += 1.0
+    bad[1][299] += 1.0
+    old = demo.SUBSET_CHECK_PAIRS
+    try:
+        demo.SUBSET_CHECK_PAIRS = 200 ** 2
+        errs, what = demo._sampled_errors(ref, [q, k, v, do], bad, lengths, hq, hkv, np.random.default_rng(0))
+    finally:
+        demo.SUBSET_CHECK_PAIRS = old
+    assert "3 of 4 sequences" in what
+    assert errs["out(rows)"] > 1e-2 and errs["dq(rows)"] > 1e-2 and errs["out"] < 1e-12

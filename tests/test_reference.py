@@ -81,3 +81,20 @@ def test_reference_bad_input(rng):
         ref.attention_reference(q[:, :2], k, k, [5])
     with pytest.raises(ValueError, match="lengths"):
         ref.attention_reference(q[:, :2], k, k, [7, -1])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_rows_match_full_reference(rng, causal):
+    lengths = [40, 1, 23, 70]
+    T = sum(lengths)
+    q, do = rng.standard_normal((T, 4, 8)), rng.standard_normal((T, 4, 8))
+    k, v = rng.standard_normal((T, 2, 8)), rng.standard_normal((T, 2, 8))
+    rows = np.array([133, 0, 39, 40, 41, 63, 64, 100, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31])
+    o, l, dq = ref.attention_reference_rows(q, k, v, do, lengths, rows, causal=causal, block=4)
+    ro, rl = ref.attention_reference(q, k, v, lengths, causal=causal)
+    rdq, _, _ = ref.attention_reference_vjp(q, k, v, do, lengths, causal=causal)
+    np.testing.assert_allclose(o, ro[rows], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(l, rl[rows], rtol=1e-12)
+    np.testing.assert_allclose(dq, rdq[rows], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="rows"):
+        ref.attention_reference_rows(q, k, v, do, lengths, [T])

@@ -9,6 +9,12 @@ Backward (paper §4.1) re-circulates KV, evaluates one KV tile x one Q tile per
 pair with the saved out/LSE, accumulates dQ locally and returns each step's
 dK/dV contributions straight to their owners.
 
+Memory: a step's tasks (pairs) run in chunks of ``c`` under a ``lax.fori_loop``
+whose trip count is the step's *real* task count (capacity padding costs
+nothing), so peak temporary memory is ``O(c)`` score tiles, not ``O(step)``;
+``c`` is the largest power of two whose score-sized intermediates fit
+``ExecSpec.memory_budget`` bytes.
+
 Shapes (local): ``q: [C, Hq, D]``, ``k, v: [C, Hkv, D]`` with ``C = n_tiles * B``.
 """
 from __future__ import annotations
@@ -19,13 +25,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from liquidcp_jax import state as st
 from liquidcp_jax.planning.megaring_tables import MASK_DIAG, MASK_FULL, SlotLayout
+
+DEFAULT_MEMORY_BUDGET = 512 * 2 ** 20
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecSpec:
-    """Static facts the executor is traced with (hashable)."""
+    """Static facts the executor is traced with (hashable).
+
+    ``memory_budget``: bytes the intermediates of one chunk of tasks (scores,
+    probabilities, gathered Q/K/V tiles) may take; it sets the chunk size.
+    """
 
     axis_name: str
     num_devices: int
@@ -35,6 +46,7 @@ class ExecSpec:
     task_tiles: int
     causal: bool
     scale: float
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
 
     @property
     def slots(self) -> SlotLayout:
@@ -47,6 +59,24 @@ class ExecSpec:
             out.append(acc)
             acc += n
         return tuple(out)
+
+    def chunk(self, bytes_per_item: int, capacity: int) -> int:
+        """Tasks per chunk: a power of two within the budget, at least 1, at most ``capacity`` rounded up."""
+        c = max(1, int(self.memory_budget) // max(1, int(bytes_per_item)))
+        c = 1 << (c.bit_length() - 1)
+        return min(c, 1 << (max(capacity, 1) - 1).bit_length())
+
+
+def fwd_task_bytes(B: int, M: int, hq: int, hkv: int, D: int, itemsize: int) -> int:
+    """Bytes of one forward task's intermediates: scores, probabilities and mask ``[Hq, B, M*B]`` (f32)
+    plus its gathered Q tile, ``M`` KV tiles and f32 output."""
+    return 3 * hq * B * M * B * 4 + (hq + 2 * M * hkv) * B * D * itemsize + hq * B * D * 4
+
+
+def bwd_pair_bytes(B: int, hq: int, hkv: int, D: int, itemsize: int) -> int:
+    """Bytes of one backward pair's intermediates: S, P, dP, dS ``[Hq, B, B]`` (f32), gathered Q, dO, K, V
+    tiles and the f32 dQ/dK/dV contributions."""
+    return 4 * hq * B * B * 4 + (2 * hq + 2 * hkv) * B * D * itemsize + (hq + 2 * hkv) * B * D * 4
 
 
 def _shift_perm(num_devices: int, g: int, shift: int):
@@ -85,46 +115,80 @@ def _gqa(x, hkv):
     return x.reshape(*x.shape[:-2], hkv, x.shape[-2] // hkv, x.shape[-1])
 
 
+def _pad_rows(x, c: int, fill: int):
+    """Pads the leading (task) axis to a multiple of ``c`` so every chunk is a full static slice."""
+    extra = -x.shape[0] % c
+    if not extra:
+        return x
+    return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+
+
+def _chunked(count, c: int, rows, carry, body):
+    """Runs ``body(carry, *chunk_rows)`` over the first ``ceil(count / c)`` chunks of ``rows``."""
+    def step(j, carry):
+        return body(carry, *(lax.dynamic_slice_in_dim(r, j * c, c) for r in rows))
+
+    return lax.fori_loop(0, (count + c - 1) // c, step, carry)
+
+
 def forward(q, k, v, tables, spec: ExecSpec):
     """One device's forward. Returns ``(out [C, Hq, D] q.dtype, lse [C, Hq] f32)``."""
     tile_valid = tables[2]
-    fq, fs, fk, fv = tables[3:7]
+    fq, fs, fk, fv, fc = tables[3:8]
     B = spec.tile_size
     C, hq, D = q.shape
     hkv = k.shape[1]
+    rep = hq // hkv
     nt = C // B
+    K, M = fs.shape[1], fs.shape[2]
+    c = spec.chunk(fwd_task_bytes(B, M, hq, hkv, D, q.dtype.itemsize), K)
     qt = q.reshape(nt, B, hq, D)
     kt = k.reshape(nt, B, hkv, D)
     vt = v.reshape(nt, B, hkv, D)
-    running = st.empty((nt, B, hq), D)
+    # The running state of every Q tile, kept unnormalised as (max m, sum l, sum acc) so that a chunk
+    # merges into the rows it touches only: out = acc / l, lse = m + log l (paper Eq. 1).
+    carry = (jnp.full((nt, B, hq), -jnp.inf, jnp.float32), jnp.zeros((nt, B, hq), jnp.float32),
+             jnp.zeros((nt, B, hq, D), jnp.float32))
     pool_k, pool_v = [], []
     for t, k_step, v_step in _ring_steps(kt, vt, spec):
         pool_k.append(k_step)
         pool_v.append(v_step)
         pk, pv = jnp.concatenate(pool_k), jnp.concatenate(pool_v)
-        q_idx = fq[t]                                        # [K]
-        qg = _gqa(qt[jnp.maximum(q_idx, 0)], hkv)           # [K, B, Hkv, rep, D]
-        kg = pk[fs[t]]                                       # [K, M, B, Hkv, D]
-        vg = pv[fs[t]]
-        s = jnp.einsum("kqhrd,kmjhd->khrqmj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
-        mask = _mask(fk[t], fv[t], B)                        # [K, M, Bq, Bk]
-        mask = jnp.transpose(mask, (0, 2, 1, 3))[:, None, None]  # [K, 1, 1, Bq, M, Bk]
-        s = jnp.where(mask, s, -jnp.inf)
-        m = jnp.max(s, axis=(-2, -1), keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.exp(s - m)
-        l = jnp.sum(p, axis=(-2, -1))                        # [K, Hkv, rep, Bq]
-        o = jnp.einsum("khrqmj,kmjhd->kqhrd", p.astype(v.dtype), vg, preferred_element_type=jnp.float32)
-        safe = jnp.where(l > 0, l, 1.0)
-        o = o / jnp.transpose(safe, (0, 3, 1, 2))[..., None]
-        lse = jnp.where(l > 0, m[..., 0, 0] + jnp.log(safe), -jnp.inf)
-        o = o.reshape(-1, B, hq, D)
-        lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(-1, B, hq)
-        wave = st.merge_segments(o, lse, q_idx, nt)
-        running = st.merge(running, wave)
-    q_ok = (jnp.arange(B)[None, :] < tile_valid[:, None])[..., None]   # [nt, B, 1]
-    out = jnp.where(q_ok[..., None], running.out, 0.0).reshape(C, hq, D).astype(q.dtype)
-    lse = jnp.where(q_ok, running.lse, -jnp.inf).reshape(C, hq)
+
+        def body(carry, q_idx, slot, kind, kv_valid, pk=pk, pv=pv):
+            m_run, l_run, acc = carry
+            tgt = jnp.where(q_idx >= 0, q_idx, nt)            # padding tasks scatter out of range: dropped
+            row = jnp.minimum(tgt, nt - 1)
+            qg = _gqa(qt[row], hkv)                            # [c, B, Hkv, rep, D]
+            kg, vg = pk[slot], pv[slot]                        # [c, M, B, Hkv, D]
+            s = jnp.einsum("kqhrd,kmjhd->khrqmj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
+            mask = jnp.transpose(_mask(kind, kv_valid, B), (0, 2, 1, 3))[:, None, None]  # [c,1,1,Bq,M,Bk]
+            s = jnp.where(mask, s, -jnp.inf)
+            m_t = jnp.transpose(jnp.max(s, axis=(-2, -1)), (0, 3, 1, 2)).reshape(-1, B, hq)
+            # Several tasks of one chunk may share a Q tile: scatter-max gives every row its chunk-wide max.
+            m_new = m_run.at[tgt].max(m_t, mode="drop")
+            m_q = m_new[row]
+            m_q = jnp.where(jnp.isfinite(m_q), m_q, 0.0)
+            m_b = jnp.transpose(m_q.reshape(-1, B, hkv, rep), (0, 2, 3, 1))[..., None, None]
+            p = jnp.where(mask, jnp.exp(s - m_b), 0.0)
+            l_t = jnp.transpose(jnp.sum(p, axis=(-2, -1)), (0, 3, 1, 2)).reshape(-1, B, hq)
+            o_t = jnp.einsum("khrqmj,kmjhd->kqhrd", p.astype(v.dtype), vg,
+                             preferred_element_type=jnp.float32).reshape(-1, B, hq, D)
+            m_old = m_run[row]
+            alpha = jnp.where(jnp.isfinite(m_old), jnp.exp(m_old - m_q), 0.0)
+            # Rows shared by several tasks get the same rescaled value from each of them.
+            acc = acc.at[tgt].set(acc[row] * alpha[..., None], mode="drop").at[tgt].add(o_t, mode="drop")
+            l_run = l_run.at[tgt].set(l_run[row] * alpha, mode="drop").at[tgt].add(l_t, mode="drop")
+            return m_new, l_run, acc
+
+        rows = (_pad_rows(fq[t], c, -1), _pad_rows(fs[t], c, 0), _pad_rows(fk[t], c, 0),
+                _pad_rows(fv[t], c, 0))
+        carry = _chunked(fc[t], c, rows, carry, body)
+    m_run, l_run, acc = carry
+    q_ok = (jnp.arange(B)[None, :] < tile_valid[:, None])[..., None] & (l_run > 0)   # [nt, B, Hq]
+    safe = jnp.where(q_ok, l_run, 1.0)
+    out = jnp.where(q_ok[..., None], acc / safe[..., None], 0.0).reshape(C, hq, D).astype(q.dtype)
+    lse = jnp.where(q_ok, m_run + jnp.log(safe), -jnp.inf).reshape(C, hq)
     return out, lse
 
 
@@ -134,13 +198,12 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
     ``do: [C, Hq, D]`` and ``dlse: [C, Hq]`` are the cotangents; an LSE cotangent
     enters as ``dS = P * (dP - (rowsum(dO * O) - dlse))``.
     """
-    tile_valid = tables[2]
-    bq, bs, bk, bv, _bc = tables[8:13]
+    bq, bs, bk, bv, bc = tables[8:13]
     B = spec.tile_size
     C, hq, D = q.shape
     hkv = k.shape[1]
     nt = C // B
-    rep = hq // hkv
+    c = spec.chunk(bwd_pair_bytes(B, hq, hkv, D, q.dtype.itemsize), bq.shape[1])
     qt = q.reshape(nt, B, hq, D)
     dot_ = do.reshape(nt, B, hq, D)
     lse_t = lse.reshape(nt, B, hq)
@@ -152,29 +215,36 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
     dk = _sections(jnp.zeros((nt, B, hkv, D), jnp.float32), spec)
     dv = dict(_sections(jnp.zeros((nt, B, hkv, D), jnp.float32), spec))
     for t, k_step, v_step in _ring_steps(kt, vt, spec):
-        qi = jnp.maximum(bq[t], 0)
-        valid_pair = bq[t] >= 0
-        qg = _gqa(qt[qi], hkv)                             # [P, B, Hkv, rep, D]
-        dog = _gqa(dot_[qi], hkv)
-        lg = _gqa(lse_t[qi][..., None], hkv)[..., 0]        # [P, B, Hkv, rep]
-        dg = _gqa(delta[qi][..., None], hkv)[..., 0]
-        kg, vg = k_step[bs[t]], v_step[bs[t]]             # [P, Bk, Hkv, D]
-        s = jnp.einsum("pqhrd,pjhd->phrqj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
-        mask = _mask(bk[t], bv[t], B)[:, None, None] & valid_pair[:, None, None, None, None]
-        lq = jnp.transpose(lg, (0, 2, 3, 1))[..., None]     # [P, Hkv, rep, Bq, 1]
-        p = jnp.where(mask & jnp.isfinite(lq), jnp.exp(s - jnp.where(jnp.isfinite(lq), lq, 0.0)), 0.0)
-        dv_p = jnp.einsum("phrqj,pqhrd->pjhd", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("pqhrd,pjhd->phrqj", dog, vg, preferred_element_type=jnp.float32)
-        ds = p * (dp - jnp.transpose(dg, (0, 2, 3, 1))[..., None])
-        dq_p = jnp.einsum("phrqj,pjhd->pqhrd", ds.astype(q.dtype), kg,
-                          preferred_element_type=jnp.float32) * spec.scale
-        dk_p = jnp.einsum("phrqj,pqhrd->pjhd", ds.astype(q.dtype), qg,
-                          preferred_element_type=jnp.float32) * spec.scale
-        dq = dq + jax.ops.segment_sum(dq_p.reshape(-1, B, hq, D), jnp.where(valid_pair, bq[t], nt), nt + 1)[:nt]
         n_step = k_step.shape[0]
-        seg = jnp.where(valid_pair, bs[t], n_step)
-        dk_step = jax.ops.segment_sum(dk_p, seg, n_step + 1)[:n_step]
-        dv_step = jax.ops.segment_sum(dv_p, seg, n_step + 1)[:n_step]
+
+        def body(carry, q_idx, slot, kind, kv_valid, k_step=k_step, v_step=v_step, n_step=n_step):
+            dq, dk_step, dv_step = carry
+            valid = q_idx >= 0
+            row = jnp.maximum(q_idx, 0)
+            qg = _gqa(qt[row], hkv)                            # [c, B, Hkv, rep, D]
+            dog = _gqa(dot_[row], hkv)
+            lg = _gqa(lse_t[row][..., None], hkv)[..., 0]      # [c, B, Hkv, rep]
+            dg = _gqa(delta[row][..., None], hkv)[..., 0]
+            kg, vg = k_step[slot], v_step[slot]                # [c, Bk, Hkv, D]
+            s = jnp.einsum("pqhrd,pjhd->phrqj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
+            mask = _mask(kind, kv_valid, B)[:, None, None] & valid[:, None, None, None, None]
+            lq = jnp.transpose(lg, (0, 2, 3, 1))[..., None]     # [c, Hkv, rep, Bq, 1]
+            p = jnp.where(mask & jnp.isfinite(lq), jnp.exp(s - jnp.where(jnp.isfinite(lq), lq, 0.0)), 0.0)
+            dv_p = jnp.einsum("phrqj,pqhrd->pjhd", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("pqhrd,pjhd->phrqj", dog, vg, preferred_element_type=jnp.float32)
+            ds = p * (dp - jnp.transpose(dg, (0, 2, 3, 1))[..., None])
+            dq_p = jnp.einsum("phrqj,pjhd->pqhrd", ds.astype(q.dtype), kg,
+                              preferred_element_type=jnp.float32) * spec.scale
+            dk_p = jnp.einsum("phrqj,pqhrd->pjhd", ds.astype(q.dtype), qg,
+                              preferred_element_type=jnp.float32) * spec.scale
+            dq = dq.at[jnp.where(valid, q_idx, nt)].add(dq_p.reshape(-1, B, hq, D), mode="drop")
+            seg = jnp.where(valid, slot, n_step)
+            return dq, dk_step.at[seg].add(dk_p, mode="drop"), dv_step.at[seg].add(dv_p, mode="drop")
+
+        zeros = jnp.zeros((n_step, B, hkv, D), jnp.float32)
+        rows = (_pad_rows(bq[t], c, -1), _pad_rows(bs[t], c, 0), _pad_rows(bk[t], c, 0),
+                _pad_rows(bv[t], c, 0))
+        dq, dk_step, dv_step = _chunked(bc[t], c, rows, (dq, zeros, zeros), body)
         o = 0
         for g in spec.slots.step_sections[t]:
             n = dict(zip(spec.section_sizes, spec.section_tiles))[g]

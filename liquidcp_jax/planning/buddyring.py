@@ -10,6 +10,13 @@ are ranked lexicographically by
   4. the number of distinct multi-device groups,
   5. ``D_W``, then ``D_T``.
 
+One addition (``balance_sum=True``, the default): between 4 and 5 ranks
+``D_T / eps_T + D_W / eps_W``.  The paper's criteria keep their order; with
+the literal order, repair spends the tolerance slack on ``D_W`` alone and
+FreeLaw 128K ends at mean ``D_T`` 8.1 % against the paper's 6.4 %
+(``benchmarks/RESULTS.md``).  ``rank_shards=True`` (an experiment, off) ranks
+the shard count right after ``V``.
+
 Search: structural sequences (``kappa_i = max(L_i/T, a_i/W) >= 0.5``) go
 through a Pareto beam search in decreasing ``kappa``; fillers are placed
 greedily on single devices; the best completed placements get local repair.
@@ -31,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from liquidcp_jax.planning.metrics import (ALIGN, LENGTH_CUTOFFS, attention_work, length_class,
-                                           padded_length)
+                                           min_group_sizes, padded_length)
 from liquidcp_jax.planning.placement import Group, Placement, _is_pow2, validate_lengths
 
 _HASH = (np.random.default_rng(20261202).integers(1, 2 ** 62, size=4096) | 1).astype(np.int64)
@@ -64,7 +71,9 @@ class _Problem:
     """Per-batch constants: the legal groups and each sequence's load on each of them."""
 
     def __init__(self, lengths, n, *, token_tol, attn_tol, causal, structural_threshold,
-                 max_group_size, align, cutoffs):
+                 max_group_size, align, cutoffs, rank_shards=False, balance_sum=True):
+        self.rank_shards = bool(rank_shards)
+        self.balance_sum = bool(balance_sum)
         self.L = np.asarray(lengths, dtype=np.int64)
         self.S = len(lengths)
         self.N = n
@@ -111,26 +120,29 @@ class _Problem:
         self.local_l, self.order_l = self.local.tolist(), self.order.tolist()
         self.beam_cache: dict = {}
         # A.1: smallest size meeting both tolerances on its own, else the largest size.
-        self.gmin = np.full(self.S, self.gmax, dtype=np.int64)
-        size_cols = {g: self.gid[(0, g)] for g in self.sizes}
-        for i in range(self.S):
-            for g in self.sizes:
-                c = size_cols[g]
-                if (self.tok[i, c] <= (1 + self.eps_t) * self.Tbar
-                        and self.wk[i, c] <= (1 + self.eps_w) * self.Wbar):
-                    self.gmin[i] = g
-                    break
+        self.gmin = min_group_sizes(self.L, n, token_tol=token_tol, attn_tol=attn_tol,
+                                    causal=causal, max_group_size=self.gmax, align=align)
 
     def allowed_gids(self, lo: int, hi: int) -> np.ndarray:
         return np.nonzero((self.gsize >= lo) & (self.gsize <= hi))[0]
 
-    def keys(self, T, W, prof, comm, distinct) -> np.ndarray:
-        """``(B, P + 5)`` ranking keys of complete placements; smaller rows rank first."""
+    def keys(self, T, W, prof, comm, distinct, shards) -> np.ndarray:
+        """Ranking keys of complete placements, one row each; smaller rows rank first.
+
+        Columns: ``V``, [shards], profile (``P``), comm proxy, distinct groups,
+        [``D_T / eps_T + D_W / eps_W``], ``D_W``, ``D_T``; bracketed ones only with
+        ``rank_shards`` / ``balance_sum``.  ``V`` is column 0, ``D_W`` and ``D_T`` the last two.
+        """
         d_t = _deviation(T)
         d_w = _deviation(W)
         v = np.maximum(0.0, np.maximum(d_t - self.eps_t, d_w - self.eps_w))
-        return np.column_stack([np.round(v, _ROUND), prof, np.round(comm, 3), distinct,
-                                np.round(d_w, _ROUND), np.round(d_t, _ROUND)])
+        lead = [np.round(v, _ROUND)] + ([shards] if self.rank_shards else [])
+        # The balance sum weighs each measure against its tolerance, as V does; without it a
+        # lexicographic D_W first lets repair trade token balance for tiny attention gains.
+        bal = ([np.round(d_t / max(self.eps_t, 1e-12) + d_w / max(self.eps_w, 1e-12), _ROUND)]
+               if self.balance_sum else [])
+        return np.column_stack(lead + [prof, np.round(comm, 3), distinct] + bal
+                               + [np.round(d_w, _ROUND), np.round(d_t, _ROUND)])
 
 
 def _deviation(X: np.ndarray) -> np.ndarray:
@@ -156,6 +168,10 @@ class _Beam:
 
     def distinct(self, multi):
         return ((self.used > 0) & multi[None]).sum(axis=1)
+
+    def shards(self, gsize):
+        """``(B,)`` placed sequence shards ``sum_i g_i``."""
+        return self.used @ gsize
 
 
 def _nondominated(F: np.ndarray) -> np.ndarray:
@@ -220,12 +236,14 @@ def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
     gsel = np.tile(gids, B)
     new_group = (beam.used[src, gsel] == 0) & pb.multi[gsel]
     distinct = beam.distinct(pb.multi)[src] + new_group
+    shards = beam.shards(pb.gsize)[src] + pb.gsize[gsel]
     # State merging: one representative per cell of per-device load bins.
     bins = np.concatenate([np.floor(T / (merge_bin * pb.Tbar)),
                            np.floor(W / (merge_bin * pb.Wbar))], axis=1).astype(np.int64)
     # Fixed odd multipliers hash the bin rows (collisions ~M^2 / 2^64: negligible).
     cell = (bins * _HASH[:bins.shape[1]][None]).sum(axis=1)
-    sort_keys = [distinct, comm] + [prof[:, c] for c in range(pb.P - 1, -1, -1)] + [cell]
+    sort_keys = [distinct, comm] + [prof[:, c] for c in range(pb.P - 1, -1, -1)]
+    sort_keys += ([shards] if pb.rank_shards else []) + [cell]
     order = np.lexsort(tuple(sort_keys))
     first = np.r_[True, cell[order][1:] != cell[order][:-1]]
     surv = np.sort(order[first])
@@ -237,14 +255,16 @@ def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
     sp_t = (tmax - tmin) / pb.Tbar
     sp_w = (wmax - wmin) / pb.Wbar
     prank = _dense_rank(prof[surv])
-    F = np.column_stack([ov_t, ov_w, sp_t, sp_w, prank, comm[surv],
-                         distinct[surv]]).astype(np.float64)
-    F = np.round(F, _ROUND)
+    cols = [ov_t, ov_w, sp_t, sp_w, prank, comm[surv], distinct[surv]]
+    if pb.rank_shards:
+        cols.append(shards[surv])
+    F = np.round(np.column_stack(cols).astype(np.float64), _ROUND)
     nd = np.nonzero(_nondominated(F))[0]
     if len(nd) > width:
         Fn = F[nd]
         elite = []
-        for col in (Fn[:, 4], Fn[:, 5], Fn[:, 6], Fn[:, 2], Fn[:, 3], np.maximum(Fn[:, 0], Fn[:, 1])):
+        best_of = [Fn[:, 4], Fn[:, 5], Fn[:, 6], Fn[:, 2], Fn[:, 3], np.maximum(Fn[:, 0], Fn[:, 1])]
+        for col in best_of + ([Fn[:, 7]] if pb.rank_shards else []):
             k = int(np.argmin(col))
             if k not in elite:
                 elite.append(k)
@@ -372,8 +392,9 @@ def _repair(pb: _Problem, assign: np.ndarray, lo: np.ndarray, hi: np.ndarray, *,
         prof = pb.pdelta[seqs, assign].sum(axis=0)
         comm = pb.comm[seqs, assign].sum()
         counts = np.bincount(assign, minlength=pb.G)
+        shards = int(pb.gsize[assign].sum())
         cur = pb.keys(T[None], W[None], prof[None], np.asarray([comm]),
-                      np.asarray([((counts > 0) & pb.multi).sum()]))[0]
+                      np.asarray([((counts > 0) & pb.multi).sum()]), np.asarray([shards]))[0]
         member = pb.gmask[assign[pb.order]] > 0  # (S, N), rows in decreasing kappa
         asg = assign.tolist()
         tops = {}
@@ -448,7 +469,9 @@ def _repair(pb: _Problem, assign: np.ndarray, lo: np.ndarray, hi: np.ndarray, *,
         np.add.at(dG, (midx, mnew), 1)
         np.add.at(dG, (midx, mold), -1)
         distinct = (((counts[None] + dG) > 0) & pb.multi[None]).sum(axis=1)
-        keys = pb.keys(T[None] + dT, W[None] + dW, prof[None] + dP, comm + dC, distinct)
+        dS = np.zeros(M, dtype=np.int64)
+        np.add.at(dS, midx, pb.gsize[mnew] - pb.gsize[mold])
+        keys = pb.keys(T[None] + dT, W[None] + dW, prof[None] + dP, comm + dC, distinct, shards + dS)
         best = int(_lex_order(keys)[0])
         if tuple(keys[best]) >= tuple(cur):
             break
@@ -496,7 +519,8 @@ def _run_stage(pb: _Problem, lo, hi, p: dict):
                           p["merge_bin"])
         pb.beam_cache[prefix] = beam
     beam = _place_fillers(pb, beam, fillers, p["smax_lambda"])
-    keys = pb.keys(beam.T, beam.W, beam.prof, beam.comm, beam.distinct(pb.multi))
+    keys = pb.keys(beam.T, beam.W, beam.prof, beam.comm, beam.distinct(pb.multi),
+                   beam.shards(pb.gsize))
     order = _lex_order(keys)
     seen, top = set(), []
     for k in order:
@@ -522,7 +546,8 @@ def _key_of(pb: _Problem, assign: np.ndarray) -> np.ndarray:
     return pb.keys(pb.tokvec[seqs, assign].sum(0)[None], pb.wkvec[seqs, assign].sum(0)[None],
                    pb.pdelta[seqs, assign].sum(0)[None],
                    np.asarray([pb.comm[seqs, assign].sum()]),
-                   np.asarray([((counts > 0) & pb.multi).sum()]))[0]
+                   np.asarray([((counts > 0) & pb.multi).sum()]),
+                   np.asarray([pb.gsize[assign].sum()]))[0]
 
 
 def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.10,
@@ -532,7 +557,8 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
                      repair_iters: int = 32, extreme_gpus: int = 2, seqs_per_gpu: int = 4,
                      max_group_size: int = 8, align: int = ALIGN,
                      length_cutoffs: Sequence[int] = LENGTH_CUTOFFS,
-                     max_tokens_per_device: int | None = None) -> BuddyRingResult:
+                     max_tokens_per_device: int | None = None,
+                     rank_shards: bool = False, balance_sum: bool = True) -> BuddyRingResult:
     """BuddyRing with its search record; see :func:`buddyring` for the arguments."""
     lengths = validate_lengths(lengths)
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) \
@@ -558,7 +584,8 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
         raise ValueError(f"length_cutoffs must be strictly increasing, got {length_cutoffs}")
     pb = _Problem(lengths, n, token_tol=token_tol, attn_tol=attn_tol, causal=causal,
                   structural_threshold=structural_threshold, max_group_size=max_group_size,
-                  align=int(align), cutoffs=cutoffs)
+                  align=int(align), cutoffs=cutoffs, rank_shards=rank_shards,
+                  balance_sum=balance_sum)
     if max_tokens_per_device is not None:
         widest = pb.gid[(0, pb.gmax)]
         over = np.nonzero(pb.tok[:, widest] > max_tokens_per_device)[0]
@@ -596,7 +623,8 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
               refine_top: int = 8, repair_iters: int = 32, extreme_gpus: int = 2,
               seqs_per_gpu: int = 4, max_group_size: int = 8, align: int = ALIGN,
               length_cutoffs: Sequence[int] = LENGTH_CUTOFFS,
-              max_tokens_per_device: int | None = None) -> Placement:
+              max_tokens_per_device: int | None = None, rank_shards: bool = False,
+              balance_sum: bool = True) -> Placement:
     """BuddyRing placement of a packed batch (paper §4.2 / A.1; defaults from Table 1).
 
     Args:
@@ -617,6 +645,15 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
       length_cutoffs: splitting-profile class cutoffs (2K, 4K, 8K, 16K).
       max_tokens_per_device: optional per-device token budget; a sequence that exceeds it even
         on the widest group raises ``ValueError``.
+      rank_shards: not in the paper.  Rank the shard count ``sum_i g_i`` right after ``V``
+        (before the splitting profile), in the beam, repair and final choice.  The paper's
+        order protects short sequences and so may widen long ones instead; this option
+        trades that for fewer shards (see ``benchmarks/RESULTS.md``).
+      balance_sum: rank ``D_T / eps_T + D_W / eps_W`` after the distinct-group count and
+        before the paper's final ``D_W``, ``D_T``.  Every earlier criterion keeps the paper's
+        order, so this only decides among placements with the same ``V``, profile, comm proxy
+        and distinct groups; ``False`` is the paper's literal order, which minimises ``D_W``
+        there and leaves ``D_T`` near its tolerance.
     Returns:
       ``Placement`` named ``"buddyring"``, groups index-aligned with ``lengths``.  When no
       placement meets both tolerances it is the best-ranked one over all relaxation stages
@@ -628,4 +665,5 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
         smax_lambda=smax_lambda, refine_top=refine_top, repair_iters=repair_iters,
         extreme_gpus=extreme_gpus, seqs_per_gpu=seqs_per_gpu, max_group_size=max_group_size,
         align=align, length_cutoffs=length_cutoffs,
-        max_tokens_per_device=max_tokens_per_device).placement
+        max_tokens_per_device=max_tokens_per_device, rank_shards=rank_shards,
+        balance_sum=balance_sum).placement

@@ -172,3 +172,42 @@ def summarize(p: Placement, *, causal: bool = True, token_tol: float = 0.10,
                             num_shards=p.num_shards, comm_proxy=comm_proxy(p, align=align),
                             distinct_groups=distinct_groups(p),
                             splitting_profile=splitting_profile(p), tokens=tokens, work=work)
+
+
+def min_group_sizes(lengths, num_devices: int, *, token_tol: float = 0.10, attn_tol: float = 0.05,
+                    causal: bool = True, max_group_size: int = 8, align: int = ALIGN) -> np.ndarray:
+    """Paper A.1 minimum group size of each sequence.
+
+    The smallest power of two ``g <= min(N, max_group_size)`` at which the sequence's own
+    share meets both tolerances, ``L_pad / g <= (1 + eps_T) T`` and ``a(L_pad) / g <=
+    (1 + eps_W) W`` with ``T``, ``W`` the padding-free per-device means; the largest size
+    when none does.
+
+    Args:
+      lengths: ``(S,)`` sequence lengths.
+      num_devices: ``N``.
+    Returns:
+      ``(S,)`` int64 group sizes.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    gmax = min(int(num_devices), int(max_group_size))
+    t_bar = float(lengths.sum()) / num_devices
+    w_bar = float(attention_work(lengths, causal=causal).sum()) / num_devices
+    out = np.full(lengths.shape, gmax, dtype=np.int64)
+    done = np.zeros(lengths.shape, dtype=bool)
+    g = 1
+    while g <= gmax:
+        lp = padded_length(lengths, np.full(lengths.shape, g), align=align)
+        ok = ~done & (lp / g <= (1 + token_tol) * t_bar) \
+            & (attention_work(lp, causal=causal) / g <= (1 + attn_tol) * w_bar)
+        out[ok] = g
+        done |= ok
+        g *= 2
+    return out
+
+
+def shard_lower_bound(lengths, num_devices: int, **kwargs) -> int:
+    """``sum_i`` of :func:`min_group_sizes`: no placement meeting both tolerances (measured
+    against the padding-free means) uses fewer sequence shards, because a sequence on fewer
+    devices alone pushes one of them past a tolerance.  Keyword arguments as there."""
+    return int(min_group_sizes(lengths, num_devices, **kwargs).sum())
