@@ -89,3 +89,25 @@ def test_persistent_forward_gpu(causal, hq, hkv, d, dtype):
   assert np.linalg.norm(lse[cov] - rl[cov]) / np.linalg.norm(rl[cov]) < 2e-2
   np.testing.assert_array_equal(out[~cov], 0.0)
   assert np.isneginf(lse[~cov]).all()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_gpu_lowering_fits_smem(d):
+  """The GPU path (register-LHS wgmma, 132-CTA grid) lowers to Mosaic GPU on CPU within the
+  227 KiB SMEM of a Hopper block (Mosaic checks the budget while lowering); an oversized KV ring
+  is rejected at the same point."""
+  import re
+  import jax
+  sd = jax.ShapeDtypeStruct
+  q, k, seg = sd((4096, 8, d), jnp.bfloat16), sd((4096, 2, d), jnp.bfloat16), sd((3,), jnp.int32)
+
+  def lower(cfg):
+    f = jax.jit(lambda *a: api.varlen_attention(*a, causal=True, sm_scale=0.1, config=cfg)[0])
+    return f.trace(q, k, k, seg, seg, seg, sd((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  txt = lower(api.TuningConfig(persistent=True, num_ctas=132))
+  assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 1
+  if d == 128:
+    with pytest.raises(ValueError, match="shared memory"):
+      lower(api.TuningConfig(persistent=True, num_ctas=132, max_concurrent_steps=3))

@@ -7,8 +7,11 @@ persistent engine; on Hopper persistence is static, ``dynamic_scheduling_loop`` 
 
 Why: with one non-persistent CTA per item, each CTA pays its Q load, the first KV loads and the
 output store with the SM idle, which dominates short causal tasks (packed batches of ~1K-token
-sequences). Here the producer runs ahead across item boundaries: the KV ring and a double-buffered
-Q tile carry over, so the next item's loads overlap the current item's last tiles and epilogue.
+sequences). Here the producer runs ahead across item boundaries: the KV ring carries over, and the
+Q tile is released right after the item's last ``Q K^T`` (not at its end), so the next item's Q and
+first KV tiles load while the current item finishes its last ``P V`` and its epilogue. (A double-
+buffered Q tile does not fit: with a 2-slot 128-row KV ring at D = 128 it needs 120 B more SMEM
+than the H200's 227 KiB per block.)
 
 Work order: items ``task * Hq + head`` with tasks heaviest first (the table is launch-ordered), so
 the q heads sharing a KV head run side by side (L2 reuse); CTA ``c`` takes item ``r * G + c`` in even
@@ -64,7 +67,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
   n_rounds = -(-n_items // g_ctas)
 
   def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
-    (q_smem4, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
+    (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
     k_bar, v_bar, q_bar = bars
     k_used, v_used, q_free = consumed
     cta = lax.axis_index("sm")
@@ -100,9 +103,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           q_base = pl.multiple_of(get("q_base"), tables_lib.ROW_ALIGN)
           kv_lo, kv_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
           full_lo, full_hi = get("full_lo"), get("full_hi")
-          qs = lax.rem(r, 2)
-          q_smem = q_smem4.at[qs, wg]
-          plgpu.barrier_wait(q_bar.at[qs * 2 + wg])
+          q_smem = q_smem2.at[wg]
+          plgpu.barrier_wait(q_bar.at[wg])
           m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                                   plgpu.Layout.WGMMA.reduce(1))
           l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
@@ -126,6 +128,12 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
             plgpu.barrier_arrive(k_used.at[slot])
+
+            # The item's last Q K^T is done: the producer may load the next item's Q.
+            @pl.when(j == n_tiles - 1)
+            def _():
+              plgpu.barrier_arrive(q_free)
+
             s = s * scale2  # log2 units: p = exp2(s - m)
             if masked:
               rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + r0
@@ -182,8 +190,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
           acc, m_i, l_i = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True),
                                         carry)
-          # Q of this slot may be refilled (for round r + 2) once both warpgroups are past it.
-          plgpu.barrier_arrive(q_free.at[qs])
+          pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # gap task: no Q K^T
           pl.when(wg == 0)(sched_sync)
 
           empty = l_i == 0.0
@@ -219,15 +226,14 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           q_base = pl.multiple_of(get("q_base"), tables_lib.ROW_ALIGN)
           kv_base = pl.multiple_of(get("kv_base"), tables_lib.ROW_ALIGN)
           kv_head = lax.div(head, jnp.int32(group))
-          qs = lax.rem(r, 2)
 
-          @pl.when(r >= 2)
+          @pl.when(r >= 1)
           def _():
-            plgpu.barrier_wait(q_free.at[qs])
+            plgpu.barrier_wait(q_free)
 
           for w in range(2):
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + w * bq, bq), head],
-                                    q_smem4.at[qs, w], q_bar.at[qs * 2 + w])
+                                    q_smem2.at[w], q_bar.at[w])
 
           @pl.loop(0, n_tiles)
           def _(j):
@@ -254,18 +260,13 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
         plgpu.barrier_wait(k_used.at[slot])
         plgpu.barrier_wait(v_used.at[slot])
 
-      # Same for the Q slots of the last (up to) two live rounds (only the last can be dead).
-      last_live = (item_of(cta, jnp.int32(n_rounds - 1), g_ctas) < n_items).astype(jnp.int32)
-      n_live = jnp.int32(n_rounds - 1) + last_live
-
-      @pl.loop(jnp.maximum(n_live - 2, 0), n_live)
-      def _(r):
-        plgpu.barrier_wait(q_free.at[lax.rem(r, 2)])
+      # And the Q release of the last live item (only the last round can be dead).
+      plgpu.barrier_wait(q_free)
 
   def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
-        plgpu.SMEM((2, 2, bq, d), dtype, transforms=tf),  # [Q slot, warpgroup]
+        plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # Q rows of each compute warpgroup
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
         plgpu.SMEM((2, bq, d), dtype),  # untiled: the row ladder slices it at any row
@@ -276,10 +277,10 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
         lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, a),
         scratch,
         (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
-         plgpu.Barrier(num_barriers=4)),
+         plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
          plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
-         plgpu.Barrier(num_arrivals=2, num_barriers=2)),
+         plgpu.Barrier(num_arrivals=2)),
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )

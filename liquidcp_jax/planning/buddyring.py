@@ -11,7 +11,8 @@ are ranked lexicographically by
   5. ``D_W``, then ``D_T``.
 
 One addition (``balance_sum=True``, the default): between 4 and 5 ranks
-``D_T / eps_T + D_W / eps_W``.  The paper's criteria keep their order; with
+``D_T + D_W`` (unweighted, like the filler tie-break
+``smax(T) + smax(W)``).  The paper's criteria keep their order; with
 the literal order, repair spends the tolerance slack on ``D_W`` alone and
 FreeLaw 128K ends at mean ``D_T`` 8.1 % against the paper's 6.4 %
 (``benchmarks/RESULTS.md``).  ``rank_shards=True`` (an experiment, off) ranks
@@ -39,6 +40,7 @@ import numpy as np
 
 from liquidcp_jax.planning.metrics import (ALIGN, LENGTH_CUTOFFS, attention_work, length_class,
                                            min_group_sizes, padded_length)
+from liquidcp_jax.planning._pareto import crowding_distance, dense_rank, nondominated
 from liquidcp_jax.planning.placement import Group, Placement, _is_pow2, validate_lengths
 
 _HASH = (np.random.default_rng(20261202).integers(1, 2 ** 62, size=4096) | 1).astype(np.int64)
@@ -130,17 +132,16 @@ class _Problem:
         """Ranking keys of complete placements, one row each; smaller rows rank first.
 
         Columns: ``V``, [shards], profile (``P``), comm proxy, distinct groups,
-        [``D_T / eps_T + D_W / eps_W``], ``D_W``, ``D_T``; bracketed ones only with
+        [``D_T + D_W``], ``D_W``, ``D_T``; bracketed ones only with
         ``rank_shards`` / ``balance_sum``.  ``V`` is column 0, ``D_W`` and ``D_T`` the last two.
         """
         d_t = _deviation(T)
         d_w = _deviation(W)
         v = np.maximum(0.0, np.maximum(d_t - self.eps_t, d_w - self.eps_w))
         lead = [np.round(v, _ROUND)] + ([shards] if self.rank_shards else [])
-        # The balance sum weighs each measure against its tolerance, as V does; without it a
+        # Unweighted, like the filler tie-break smax(T/T) + smax(W/W); without it a
         # lexicographic D_W first lets repair trade token balance for tiny attention gains.
-        bal = ([np.round(d_t / max(self.eps_t, 1e-12) + d_w / max(self.eps_w, 1e-12), _ROUND)]
-               if self.balance_sum else [])
+        bal = [np.round(d_t + d_w, _ROUND)] if self.balance_sum else []
         return np.column_stack(lead + [prof, np.round(comm, 3), distinct] + bal
                                + [np.round(d_w, _ROUND), np.round(d_t, _ROUND)])
 
@@ -174,57 +175,6 @@ class _Beam:
         return self.used @ gsize
 
 
-def _nondominated(F: np.ndarray) -> np.ndarray:
-    """Mask of rows of ``F`` (M, C) not Pareto-dominated by another row (minimisation)."""
-    m = F.shape[0]
-    # Per-column dense ranks preserve dominance and make the comparisons int16-cheap.
-    R = np.empty(F.shape, dtype=np.int16)
-    for c in range(F.shape[1]):
-        R[:, c] = np.unique(F[:, c], return_inverse=True)[1].reshape(-1)
-    # A dominator has a strictly smaller rank sum, so scanning in that order only
-    # needs each block tested against the survivors so far and itself.
-    order = np.argsort(R.sum(axis=1, dtype=np.int64), kind="stable")
-    keep = np.zeros(m, dtype=bool)
-    front = np.empty((0, F.shape[1]), dtype=np.int16)
-    for start in range(0, m, 128):
-        idx = order[start:start + 128]
-        blk = R[idx]
-        pool = np.concatenate([front, blk], axis=0)
-        le = np.ones((len(idx), len(pool)), dtype=bool)
-        eq = np.ones((len(idx), len(pool)), dtype=bool)
-        for c in range(F.shape[1]):  # column loop: reductions over a 7-long axis are slow
-            le &= pool[None, :, c] <= blk[:, c, None]
-            eq &= pool[None, :, c] == blk[:, c, None]
-        ok = ~(le & ~eq).any(axis=1)
-        keep[idx[ok]] = True
-        front = np.concatenate([front, blk[ok]], axis=0)
-    return keep
-
-
-def _dense_rank(X: np.ndarray) -> np.ndarray:
-    """Lexicographic dense rank of the rows of an int matrix ``X`` (M, P)."""
-    order = np.lexsort(tuple(X[:, c] for c in range(X.shape[1] - 1, -1, -1)))
-    xs = X[order]
-    step = np.r_[False, (xs[1:] != xs[:-1]).any(axis=1)]
-    rank = np.empty(len(X), dtype=np.int64)
-    rank[order] = np.cumsum(step)
-    return rank
-
-
-def _crowding(F: np.ndarray) -> np.ndarray:
-    """NSGA-II crowding distance of each row of ``F`` (M, C)."""
-    m, c = F.shape
-    dist = np.zeros(m)
-    for j in range(c):
-        order = np.argsort(F[:, j], kind="stable")
-        f = F[order, j]
-        span = f[-1] - f[0]
-        dist[order[0]] = dist[order[-1]] = np.inf
-        if span > 0 and m > 2:
-            dist[order[1:-1]] += (f[2:] - f[:-2]) / span
-    return dist
-
-
 def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
                merge_bin: float) -> _Beam:
     B, C = beam.T.shape[0], len(gids)
@@ -254,12 +204,12 @@ def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
     ov_w = np.maximum(0.0, wmax / pb.Wbar - 1 - pb.eps_w)
     sp_t = (tmax - tmin) / pb.Tbar
     sp_w = (wmax - wmin) / pb.Wbar
-    prank = _dense_rank(prof[surv])
+    prank = dense_rank(prof[surv])
     cols = [ov_t, ov_w, sp_t, sp_w, prank, comm[surv], distinct[surv]]
     if pb.rank_shards:
         cols.append(shards[surv])
     F = np.round(np.column_stack(cols).astype(np.float64), _ROUND)
-    nd = np.nonzero(_nondominated(F))[0]
+    nd = np.nonzero(nondominated(F))[0]
     if len(nd) > width:
         Fn = F[nd]
         elite = []
@@ -269,7 +219,7 @@ def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
             if k not in elite:
                 elite.append(k)
         rest = np.setdiff1d(np.arange(len(nd)), elite)
-        crowd = _crowding(Fn)
+        crowd = crowding_distance(Fn)
         rest = rest[np.argsort(-crowd[rest], kind="stable")]
         pick = np.sort(np.concatenate([np.asarray(elite, dtype=np.int64),
                                        rest[:max(0, width - len(elite))]]))
@@ -649,7 +599,7 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
         (before the splitting profile), in the beam, repair and final choice.  The paper's
         order protects short sequences and so may widen long ones instead; this option
         trades that for fewer shards (see ``benchmarks/RESULTS.md``).
-      balance_sum: rank ``D_T / eps_T + D_W / eps_W`` after the distinct-group count and
+      balance_sum: rank ``D_T + D_W`` after the distinct-group count and
         before the paper's final ``D_W``, ``D_T``.  Every earlier criterion keeps the paper's
         order, so this only decides among placements with the same ``V``, profile, comm proxy
         and distinct groups; ``False`` is the paper's literal order, which minimises ``D_W``

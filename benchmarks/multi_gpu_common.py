@@ -1,0 +1,232 @@
+"""Helpers shared by the multi-GPU scripts (``multi_gpu_megaring.py``, ``multi_gpu_megadcp.py``,
+``distributed_check.py``): device set-up, global arrays built from host data, timing, float64 checks.
+
+Every array that enters a timed program is built with ``jax.make_array_from_callback`` from host
+NumPy data, so the same code runs on one host (single process, emulated CPU mesh or GPUs) and under
+``jax.distributed`` (one process per device, each supplying its own shards).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+#: Relative-Frobenius thresholds vs the float64 reference, by dtype name.
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def has_gpu_hint() -> bool:
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def setup_devices(force_cpu: bool, count: int = 8) -> None:
+    """Emulates ``count`` CPU devices unless GPUs are present (call before jax starts its backend)."""
+    if force_cpu or not has_gpu_hint():
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={count}").strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def devices(n: int | None, force_cpu: bool = False):
+    """The first ``n`` devices (``None``: the largest power of two available)."""
+    import jax
+    devs = jax.devices("cpu") if force_cpu else jax.devices()
+    if n is None:
+        n = 1 << (len(devs).bit_length() - 1)
+    if n > len(devs):
+        raise ValueError(f"devices={n} but only {len(devs)} {devs[0].platform} devices are visible")
+    return devs[:n]
+
+
+def put(x: np.ndarray, sharding):
+    """Host array (identical on every process) -> global ``jax.Array`` with ``sharding``."""
+    import jax
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def put_tree(tree, sharding):
+    """Every NumPy leaf of a pytree (e.g. a plan's tables) -> global array with ``sharding``."""
+    import jax
+    return jax.tree.map(lambda a: put(np.asarray(a), sharding), tree)
+
+
+def fetch(x) -> np.ndarray:
+    """Global array -> host float32 NumPy (gathers across processes when needed)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x).astype(np.float32)
+
+
+def round_to(x: np.ndarray, dtype_name: str) -> np.ndarray:
+    """``x`` rounded to ``dtype_name`` (as the device sees it), returned in that dtype."""
+    import ml_dtypes
+    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
+    return np.asarray(x, np.float32).astype(dt)
+
+
+def random_array(rng: np.random.Generator, shape, dtype_name: str) -> np.ndarray:
+    return round_to(rng.standard_normal(shape, dtype=np.float32), dtype_name)
+
+
+def time_call(fn, *args, warmup: int = 3, iters: int = 10, max_seconds: float = 20.0) -> dict:
+    """Median wall time (ms) of ``fn(*args)`` after ``warmup`` calls (the first compiles).
+
+    On one host the jitted step returns when its slowest device finishes, so this is the slowest
+    rank's time. ``iters`` shrinks (to >= 3) when calls are long, to bound the time spent here.
+    """
+    import jax
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    one = first
+    for _ in range(max(0, warmup - 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        one = time.perf_counter() - t0
+    n = int(max(3, min(iters, max_seconds // max(one, 1e-6))))
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    ts = np.asarray(ts) * 1e3
+    return {"median_ms": float(np.median(ts)), "min_ms": float(ts.min()), "max_ms": float(ts.max()),
+            "iters": n, "warmup": max(1, warmup), "first_call_s": first}
+
+
+def geomean(xs) -> float | None:
+    xs = [float(x) for x in xs if x is not None and np.isfinite(x) and x > 0]
+    return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else None
+
+
+def rel_error(x, ref) -> float:
+    """``||x - ref|| / ||ref||`` in float64; ``inf`` if ``x`` has a non-finite entry."""
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(x - ref)
+    return float(num / den) if den > 0 else float(num)
+
+
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=_jsonable)
+    os.replace(tmp, path)   # a run killed mid-write leaves the previous complete file
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def env_info() -> dict:
+    import platform
+
+    import jax
+    devs = jax.devices()
+    return {"jax": jax.__version__, "platform": devs[0].platform, "device_kind": devs[0].device_kind,
+            "device_count": len(devs), "process_count": jax.process_count(), "host": platform.node(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class Budget:
+    """Wall-clock budget of a run: ``left()`` seconds remain; ``over()`` once spent."""
+
+    def __init__(self, seconds: float | None):
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - self.elapsed()
+
+    def over(self) -> bool:
+        return self.left() <= 0
+
+
+# ----------------------------------------------------------------------------- packed-batch checks
+
+FULL_CHECK_PAIRS = 2 ** 28      # sum(L^2) * Hq up to which the whole batch is checked densely
+SUBSET_CHECK_PAIRS = 2 ** 25    # sum(L^2) * (Hq / Hkv) of the sampled check's whole-sequence subset
+ROWS_PER_SEQUENCE = 8
+
+
+class PackedCheck:
+    """Float64 reference values of a packed causal batch, dense or sampled, computed once and
+    compared with any number of outputs (forward-only and forward+backward programs, methods).
+
+    Dense (``sum(L^2) * Hq <= FULL_CHECK_PAIRS``): out, dQ, dK, dV of every head and token.
+    Sampled: one KV-head group ``g`` (its ``Hq / Hkv`` query heads; heads are independent, so this is
+    an exact sub-problem) (a) on a random subset of whole sequences within ``SUBSET_CHECK_PAIRS``:
+    out, dQ, dK, dV; (b) out and dQ at ``ROWS_PER_SEQUENCE`` random rows plus the last row of
+    *every* sequence (the longest included), each against its own sequence's keys.
+
+    Args:
+      lengths: ``(S,)`` sequence lengths; hq, hkv: heads.
+      get: ``get(name, heads: slice) -> [T, h, D]`` host array of ``name`` in ``q, k, v, do``.
+    Attributes:
+      hs, ks: the query / KV head slices the outputs must be cut to before :meth:`errors`.
+    """
+
+    def __init__(self, lengths, get, hq: int, hkv: int, rng: np.random.Generator):
+        from liquidcp_jax import reference as ref
+        lengths = [int(x) for x in lengths]
+        self.full = sum(L * L for L in lengths) * hq <= FULL_CHECK_PAIRS
+        rep = hq // hkv
+        g = 0 if self.full else int(rng.integers(hkv))
+        self.hs = slice(0, hq) if self.full else slice(g * rep, (g + 1) * rep)
+        self.ks = slice(0, hkv) if self.full else slice(g, g + 1)
+        q, do = (np.asarray(get(n, self.hs), np.float64) for n in ("q", "do"))
+        k, v = (np.asarray(get(n, self.ks), np.float64) for n in ("k", "v"))
+        self.entries = []   # (name, output kind, packed rows or None, reference)
+        if self.full:
+            ro, _ = ref.attention_reference(q, k, v, lengths)
+            rg = ref.attention_reference_vjp(q, k, v, do, lengths)
+            self.entries += [("out", "out", None, ro)] + [(f"d{n}", f"d{n}", None, r) for n, r in zip("qkv", rg)]
+            self.what = f"dense: all {hq} heads, {len(lengths)} sequences, {sum(lengths)} tokens"
+            return
+        off = np.concatenate([[0], np.cumsum(lengths)])
+        chosen, used = [], 0
+        for i in rng.permutation(len(lengths)):
+            if used + lengths[i] ** 2 * rep <= SUBSET_CHECK_PAIRS:
+                chosen.append(int(i))
+                used += lengths[i] ** 2 * rep
+        chosen.sort()
+        if chosen:
+            tok = np.concatenate([np.arange(off[i], off[i + 1]) for i in chosen])
+            sub = [lengths[i] for i in chosen]
+            ro, _ = ref.attention_reference(q[tok], k[tok], v[tok], sub)
+            rg = ref.attention_reference_vjp(q[tok], k[tok], v[tok], do[tok], sub)
+            self.entries += [("out(seqs)", "out", tok, ro)] + [
+                (f"d{n}(seqs)", f"d{n}", tok, r) for n, r in zip("qkv", rg)]
+        rows = np.concatenate([np.unique(np.append(rng.integers(off[i], off[i + 1], ROWS_PER_SEQUENCE),
+                                                   off[i + 1] - 1)) for i in range(len(lengths))])
+        ro, _, rdq = ref.attention_reference_rows(q, k, v, do, lengths, rows)
+        self.entries += [("out(rows)", "out", rows, ro), ("dq(rows)", "dq", rows, rdq)]
+        self.what = (f"sampled: KV head {g} (query heads {self.hs.start}-{self.hs.stop - 1}); "
+                     f"{len(chosen)} of {len(lengths)} sequences whole, {rows.size} rows over all sequences")
+
+    def errors(self, got: dict, prefix: str = "") -> dict:
+        """``got``: ``{"out"|"dq"|"dk"|"dv": packed [T, h, D] host array cut to hs / ks}``."""
+        errs = {}
+        for name, kind, rows, r in self.entries:
+            if kind in got:
+                x = got[kind] if rows is None else got[kind][rows]
+                errs[prefix + name] = rel_error(x, r)
+        return errs
