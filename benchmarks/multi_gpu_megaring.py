@@ -46,10 +46,10 @@ PAPER = {"fwd": 1.23, "bwd": 1.18}
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (2K tokens, Hq 4 / Hkv 2 / D 32, f32)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (pilecc 1K tokens, Hq 4 / Hkv 2 / D 32, tile 16, f32)")
     ap.add_argument("--cpu", action="store_true", help="force the emulated 8-device CPU mesh")
     ap.add_argument("--datasets", default=",".join(DATASETS))
-    ap.add_argument("--tokens", default=None, help="token budgets (default 64K,128K,256K; --tiny: 2K)")
+    ap.add_argument("--tokens", default=None, help="token budgets (default 64K,128K,256K; --tiny: 1K)")
     ap.add_argument("--batches", type=int, default=1, help="sampled batches per dataset and budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -70,8 +70,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     tiny = a.tiny
-    a.tokens = (a.tokens or ("2K" if tiny else "64K,128K,256K")).split(",")
-    a.datasets = a.datasets.split(",") if not (tiny and a.datasets == ",".join(DATASETS)) else ["freelaw"]
+    a.tokens = (a.tokens or ("1K" if tiny else "64K,128K,256K")).split(",")
+    a.datasets = a.datasets.split(",") if not (tiny and a.datasets == ",".join(DATASETS)) else ["pilecc"]
     a.methods = a.methods.split(",")
     a.dtype = a.dtype or ("float32" if tiny else "bfloat16")
     a.hq, a.hkv, a.head_dim, a.tile = (x if x is not None else d for x, d in zip(
@@ -231,13 +231,15 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
                 errs = check.errors(got)
                 if res_f is not None:
                     errs.update(check.errors({"out": fetch_packed(res_f, plan, check.hs)}, prefix="fwd-program "))
+                # Every head: padding rows are exactly 0 and nothing is NaN (reduced on the devices).
                 pad = np.ones(plan.cp_tokens, bool)
                 pad[np.asarray(plan.unshard_src)] = False
-                o_all = C.fetch(res_fb[0])
+                pad_zero = bool(jnp.all((res_fb[0] == 0) | ~jnp.asarray(pad)[:, None, None]))
+                finite = all(bool(jnp.all(jnp.isfinite(r))) for r in res_fb)
                 m.setdefault("errors", {})[dt] = errs
                 m.setdefault("max_error", {})[dt] = max(errs.values())
-                m.setdefault("ok", {})[dt] = bool(max(errs.values()) < C.TOL[dt]
-                                                  and np.all(o_all[pad] == 0) and np.all(np.isfinite(o_all)))
+                m.setdefault("padding_rows_zero", {})[dt] = pad_zero
+                m.setdefault("ok", {})[dt] = bool(max(errs.values()) < C.TOL[dt] and pad_zero and finite)
                 log(f"    {method:<9} {dt:<8} max rel err {max(errs.values()):.2e} "
                     f"(threshold {C.TOL[dt]:g}) {'ok' if m['ok'][dt] else 'FAILED'}")
             del res_fb, res_f

@@ -8,7 +8,8 @@ from liquidcp_jax.pallas import tile_attention_fwd as fwd
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_interpret_forward_varlen(causal):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_interpret_forward_varlen(causal, persistent):
   # lengths 1 / 101 / 70 with a gap of 3 rows and 6 uncovered rows at the end
   rng = np.random.default_rng(11 + causal)
   t, hq, hkv, d = 184, 2, 1, 64
@@ -19,7 +20,8 @@ def test_interpret_forward_varlen(causal):
   k = jnp.asarray(rng.standard_normal((172, hkv, d)), jnp.float16)
   v = jnp.asarray(rng.standard_normal((172, hkv, d)), jnp.float16)
   out, lse = api.varlen_attention(q, k, v, qs, ks, ln, 3, causal=causal, sm_scale=0.125,
-                                  interpret=True)
+                                  interpret=True,
+                                  config=api.TuningConfig(persistent=persistent))
   z = np.zeros(4, np.int32)
   ro, rl = fwd.reference_attention(q, k, v, qs, ln, ks, ln, z, z, 3, causal=causal,
                                    sm_scale=0.125)

@@ -111,3 +111,15 @@ def test_persistent_gpu_lowering_fits_smem(d):
   if d == 128:
     with pytest.raises(ValueError, match="shared memory"):
       lower(api.TuningConfig(persistent=True, num_ctas=132, max_concurrent_steps=3))
+
+
+def test_auto_persistent_rule():
+  cfg = api.TuningConfig()
+  assert cfg.persistent is None
+  assert cfg.use_persistent(65536, 128)        # packed batch: short average segments
+  assert cfg.use_persistent(8192, 1)
+  assert not cfg.use_persistent(32768, 1)      # one long sequence: the plain grid measured faster
+  assert api.TuningConfig(persistent=True).use_persistent(32768, 1)
+  assert not api.TuningConfig(persistent=False).use_persistent(128, 8)
+  with pytest.raises(ValueError, match="persistent"):
+    api.TuningConfig(persistent="yes")

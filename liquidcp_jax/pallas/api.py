@@ -79,7 +79,7 @@ def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_s
                                    num_segs, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
                                    causal=causal, xp=jnp)
   kernel = fwd_lib.tile_attention_fwd
-  if config.persistent:
+  if config.use_persistent(tq0, seg_q_start.shape[0]):
     from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers_lib
     kernel = pers_lib.tile_attention_fwd_persistent
   out, lse_pad = kernel(qp, kp, vp, tt.table, tt.capacity, causal=causal, sm_scale=sm_scale,

@@ -34,12 +34,13 @@ class TuningConfig:
   """Forward tile sizes. The task tile is ``2 * block_q`` rows (two compute warpgroups).
 
   ``persistent``: one CTA per SM walking the (task, head) items (see
-  :mod:`tile_attention_fwd_persistent`); ``num_ctas`` overrides its grid size (default: SM count).
+  :mod:`tile_attention_fwd_persistent`); ``None`` (default) picks it by :meth:`use_persistent`.
+  ``num_ctas`` overrides the persistent grid size (default: SM count).
   """
   block_q: int = 64
   block_kv: int = 128
   max_concurrent_steps: int = 2
-  persistent: bool = False
+  persistent: bool | None = None
   num_ctas: int | None = None
 
   def __post_init__(self):
@@ -49,8 +50,23 @@ class TuningConfig:
       raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
     if not 2 <= self.max_concurrent_steps <= 4:
       raise ValueError(f"max_concurrent_steps must be in [2, 4], got {self.max_concurrent_steps}")
+    if self.persistent not in (None, True, False):
+      raise ValueError(f"persistent must be None, True or False, got {self.persistent!r}")
     if self.num_ctas is not None and self.num_ctas < 1:
       raise ValueError(f"num_ctas must be None or >= 1, got {self.num_ctas}")
+
+  # Mean segment-capacity length at and above which the plain grid wins (H200, 2026-12-03,
+  # RESULTS.md): dense causal 32K ran 598 TFLOP/s plain vs 559 persistent, while packed 64K
+  # batches (capacity 128 segments, i.e. 512 tokens per slot) ran 445 vs 403 (Pile-CC) and
+  # 537 vs 519 (FreeLaw) persistent; dense 8K was within the run-to-run spread (434 vs 424).
+  persistent_below_tokens_per_segment: int = 16384
+
+  def use_persistent(self, num_q_rows: int, segment_capacity: int) -> bool:
+    """Whether the forward runs persistent for ``num_q_rows`` packed rows in ``segment_capacity``
+    segment slots: short average segments pay per-task overheads that persistence hides."""
+    if self.persistent is not None:
+      return self.persistent
+    return num_q_rows < self.persistent_below_tokens_per_segment * max(1, segment_capacity)
 
   @property
   def task_rows(self) -> int:
