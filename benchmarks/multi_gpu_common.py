@@ -1,5 +1,6 @@
 """Helpers shared by the multi-GPU scripts (``multi_gpu_megaring.py``, ``multi_gpu_megadcp.py``,
-``distributed_check.py``): device set-up, global arrays built from host data, timing, float64 checks.
+``distributed_check.py``): device set-up, global arrays built from host data, timing, float64 checks,
+and the run's report (JSON file, progress log, text table).
 
 Every array that enters a timed program is built with ``jax.make_array_from_callback`` from host
 NumPy data, so the same code runs on one host (single process, emulated CPU mesh or GPUs) and under
@@ -7,9 +8,12 @@ NumPy data, so the same code runs on one host (single process, emulated CPU mesh
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
+import sys
 import time
 
 import numpy as np
@@ -99,6 +103,24 @@ def time_call(fn, *args, warmup: int = 3, iters: int = 10, max_seconds: float = 
             "iters": n, "warmup": max(1, warmup), "first_call_s": first}
 
 
+def timing(args) -> dict:
+    """:func:`time_call` keyword arguments from a script's ``--warmup / --iters / --max-time-per-call``."""
+    return {"warmup": args.warmup, "iters": args.iters, "max_seconds": args.max_time_per_call}
+
+
+def matmul_precision(dtype_name: str):
+    """Context for running ``dtype_name``: float32 at "highest" matmul precision (GPUs default to
+    TF32-like passes, too coarse for the float32 thresholds), anything else as it is."""
+    import jax
+    return jax.default_matmul_precision("highest") if dtype_name == "float32" else contextlib.nullcontext()
+
+
+def best_speedup(baseline_ms: dict, ours_ms: float) -> tuple[str, float | None]:
+    """``(name, time / ours_ms)`` of the fastest of ``{baseline name: time}``; ``None`` if ``ours_ms <= 0``."""
+    best = min(baseline_ms, key=baseline_ms.get)
+    return best, (baseline_ms[best] / ours_ms if ours_ms > 0 else None)
+
+
 def geomean(xs) -> float | None:
     xs = [float(x) for x in xs if x is not None and np.isfinite(x) and x > 0]
     return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else None
@@ -113,6 +135,28 @@ def rel_error(x, ref) -> float:
     den = np.linalg.norm(ref)
     num = np.linalg.norm(x - ref)
     return float(num / den) if den > 0 else float(num)
+
+
+def fmt(x) -> str:
+    """A ratio for a log line: two decimals, ``n/a`` for ``None``."""
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+# ----------------------------------------------------------------------------- the run's report
+
+def new_report(script: str, argv, **fields) -> dict:
+    """The JSON report's opening keys: ``script``, its ``argv`` (``None``: the command line), ``env``,
+    then ``fields`` in order."""
+    return {"script": script, "argv": list(argv if argv is not None else sys.argv[1:]), "env": env_info(),
+            **fields}
+
+
+def finish_report(path: str, report: dict, *, summary: dict, ok: bool, budget: "Budget") -> None:
+    """Adds ``summary``, ``ok`` and ``elapsed_s`` to ``report`` and writes it to ``path``."""
+    report["summary"] = summary
+    report["ok"] = bool(ok)
+    report["elapsed_s"] = budget.elapsed()
+    write_json(path, report)
 
 
 def write_json(path: str, obj) -> None:
@@ -158,6 +202,47 @@ class Budget:
 
     def over(self) -> bool:
         return self.left() <= 0
+
+    def log(self, msg: str) -> None:
+        """A progress line stamped with the seconds since the run began (flushed: runs are watched live)."""
+        print(f"[{self.elapsed():7.1f}s] {msg}", flush=True)
+
+    def stop_before(self, what: str, report: dict) -> bool:
+        """``True`` once the budget is spent, after logging it and noting ``what`` was not started
+        in ``report["stopped_early"]``."""
+        if not self.over():
+            return False
+        self.log(f"budget of {self.seconds} s spent: stopping before {what}")
+        report["stopped_early"] = f"budget spent before {what}"
+        return True
+
+
+class Table:
+    """A fixed-width text table whose cells are joined by one space.
+
+    Args:
+      columns: ``(title, format spec)`` or ``(title, format spec, suffix)`` each, e.g.
+        ``("fwd ms", ">9.2f")`` or ``("scale", ">4", "x")``; the spec starts with an alignment and
+        a width, and the column is that width plus the suffix's.
+    A string cell (a name, or a placeholder such as ``"-"`` or ``"skipped"``) fills the whole
+    column with the spec's alignment; any other cell is formatted with the spec, then the suffix.
+    """
+
+    def __init__(self, *columns):
+        self.columns = []
+        for title, spec, *suffix in columns:
+            align, width = re.match(r"([<>^]?)(\d+)", spec).groups()
+            suffix = suffix[0] if suffix else ""
+            self.columns.append((title, spec, suffix, f"{align}{int(width) + len(suffix)}"))
+
+    def header(self) -> str:
+        return " ".join(format(title, whole) for title, _, _, whole in self.columns)
+
+    def row(self, *cells) -> str:
+        if len(cells) != len(self.columns):
+            raise ValueError(f"{len(cells)} cells for {len(self.columns)} columns")
+        return " ".join(format(c, whole) if isinstance(c, str) else format(c, spec) + suffix
+                        for c, (_, spec, suffix, whole) in zip(cells, self.columns))
 
 
 # ----------------------------------------------------------------------------- packed-batch checks

@@ -41,6 +41,8 @@ METHODS = ("megadcp", "vllm_ag_rs", "vllm_a2a", "sglang_ag_ar")
 PAPER = {"decode": 1.20, "mixed": 1.35}
 HERE = os.path.dirname(os.path.abspath(__file__))
 FULL_CHECK = 2 ** 27   # sum_r q_r * (h_r + q_r) * Hq up to which the whole batch is checked densely
+TABLE = C.Table(("snap", ">4"), ("scale", ">4", "x"), ("kind", "<6"), ("P", ">2"), ("req", ">4"), ("Tq", ">6"),
+                ("hist", ">8"), *((m, ">10.3f", " ms") for m in METHODS), ("speedup", ">7.2f", "x"))
 
 
 def parse_args(argv):
@@ -200,10 +202,7 @@ def main(argv=None) -> dict:
     from liquidcp_jax.planning import critical_wave as cw
 
     budget = C.Budget(args.budget_s)
-
-    def log(msg):
-        print(f"[{budget.elapsed():7.1f}s] {msg}", flush=True)
-
+    log = budget.log
     devs = C.devices(None, force_cpu=args.cpu or args.tiny)
     if max(args.degrees) > len(devs):
         raise ValueError(f"--degrees {args.degrees} needs {max(args.degrees)} devices; {len(devs)} visible")
@@ -213,10 +212,10 @@ def main(argv=None) -> dict:
         params = cw.Params(num_ctas=args.num_ctas, rho=0.75, delta_attn=4, delta_red=4, gamma=1.0)
     snaps, source = load_snapshots(args)
     order = select(snaps, args)
-    out = {"script": "benchmarks/multi_gpu_megadcp.py", "argv": list(argv if argv is not None else sys.argv[1:]),
-           "env": C.env_info(), "snapshots_source": source, "dtype": args.dtype,
-           "shape": {"hq_per_rank": args.hq, "head_dim": args.head_dim, "tile": args.tile, "num_ctas": args.num_ctas},
-           "thresholds": C.TOL, "paper_speedups": PAPER, "cases": []}
+    out = C.new_report("benchmarks/multi_gpu_megadcp.py", argv, snapshots_source=source, dtype=args.dtype,
+                       shape={"hq_per_rank": args.hq, "head_dim": args.head_dim, "tile": args.tile,
+                              "num_ctas": args.num_ctas},
+                       thresholds=C.TOL, paper_speedups=PAPER, cases=[])
     log(f"{len(devs)} x {devs[0].platform} ({devs[0].device_kind}), jax {jax.__version__}; {len(order)} snapshots "
         f"from {source}; degrees {args.degrees}; {args.dtype}, hq {args.hq}/rank, D {args.head_dim}")
     ok = True
@@ -237,9 +236,7 @@ def main(argv=None) -> dict:
         log(f"snapshot {si}: {snap['scale']}x {snap['kind']}, {len(hist)} requests, {Tq} query / {Th} history "
             f"tokens (longest {max(hist)}); reference {what} ({t_ref:.1f} s)")
         for Pn in args.degrees:
-            if budget.over():
-                log(f"budget of {args.budget_s} s spent: stopping before snapshot {si} P={Pn}")
-                out["stopped_early"] = f"budget spent before snapshot {si} P={Pn}"
+            if budget.stop_before(f"snapshot {si} P={Pn}", out):
                 stop = True
                 break
             mesh = jax.make_mesh((Pn,), ("dcp",), devices=devs[:Pn])
@@ -262,8 +259,7 @@ def main(argv=None) -> dict:
                 kh_d, vh_d = plan.shard_history(arrs[3]), plan.shard_history(arrs[4])
                 dplan = C.put_tree(plan, rep)
                 f = jax.jit(lambda q, kn, vn, kh, vh, p, fn=fns[method]: fn(q, kn, vn, kh, vh, p))
-                ctx = jax.default_matmul_precision("highest") if args.dtype == "float32" else _null()
-                with ctx:
+                with C.matmul_precision(args.dtype):
                     t1 = time.perf_counter()
                     o = jax.block_until_ready(f(q_d, kn_d, vn_d, kh_d, vh_d, dplan))
                     m["compile_run_s"] = time.perf_counter() - t1
@@ -275,43 +271,26 @@ def main(argv=None) -> dict:
                         m["ok"] = bool(m["error"] < C.TOL[args.dtype] and np.all(np.isfinite(got)))
                         ok &= m["ok"]
                     del o
-                    m["time"] = C.time_call(f, q_d, kn_d, vn_d, kh_d, vh_d, dplan, warmup=args.warmup,
-                                            iters=args.iters, max_seconds=args.max_time_per_call)
+                    m["time"] = C.time_call(f, q_d, kn_d, vn_d, kh_d, vh_d, dplan, **C.timing(args))
                 m["tflops_per_gpu"] = fl / Pn / (m["time"]["median_ms"] * 1e-3) / 1e12
             base_t = {k: v["time"]["median_ms"] for k, v in case["methods"].items() if k != "megadcp"}
             if base_t:
-                best = min(base_t, key=base_t.get)
-                case["best_baseline"] = best
-                case["speedup"] = base_t[best] / case["methods"]["megadcp"]["time"]["median_ms"]
+                case["best_baseline"], case["speedup"] = C.best_speedup(
+                    base_t, case["methods"]["megadcp"]["time"]["median_ms"])
             out["cases"].append(case)
             log("  P=%d  " % Pn + "  ".join(
                 f"{k} {v['time']['median_ms']:.3f} ms{'' if 'error' not in v else ' err %.1e' % v['error']}"
                 f"{'' if v.get('ok', True) else ' FAILED'}" for k, v in case["methods"].items())
                 + (f"  speedup {case['speedup']:.2f}x vs {case['best_baseline']}" if "speedup" in case else ""))
             C.write_json(args.out, out)
-    out["summary"] = summarize(out["cases"], args.degrees)
-    out["ok"] = bool(ok)
-    out["elapsed_s"] = budget.elapsed()
-    C.write_json(args.out, out)
+    C.finish_report(args.out, out, summary=summarize(out["cases"], args.degrees), ok=ok, budget=budget)
     for line in table(out["cases"]):
         print(line)
     for kind, s in out["summary"].items():
-        log(f"{kind}: geomean speedup {_f(s['geomean'])}x over {s['cases']} cases (paper {PAPER.get(kind, '-')}x); "
-            f"by degree {{{', '.join(f'{p}: {_f(g)}' for p, g in s['by_degree'].items())}}}")
+        log(f"{kind}: geomean speedup {C.fmt(s['geomean'])}x over {s['cases']} cases (paper {PAPER.get(kind, '-')}x); "
+            f"by degree {{{', '.join(f'{p}: {C.fmt(g)}' for p, g in s['by_degree'].items())}}}")
     log(f"correctness {'OK' if ok else 'FAILED'}; wrote {args.out}")
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def _f(x):
-    return "n/a" if x is None else f"{x:.2f}"
 
 
 def summarize(cases, degrees) -> dict:
@@ -324,14 +303,12 @@ def summarize(cases, degrees) -> dict:
 
 
 def table(cases):
-    rows = [f"{'snap':>4} {'scale':>5} {'kind':<6} {'P':>2} {'req':>4} {'Tq':>6} {'hist':>8} "
-            + " ".join(f"{m:>13}" for m in METHODS) + f" {'speedup':>8}"]
+    """:data:`TABLE`'s header and one row per case (``-``: a method not run)."""
+    rows = [TABLE.header()]
     for c in cases:
-        ms = [f"{c['methods'][m]['time']['median_ms']:>10.3f} ms" if m in c["methods"] else f"{'-':>13}"
-              for m in METHODS]
-        rows.append(f"{c['snapshot']:>4} {c['scale']:>4}x {c['kind']:<6} {c['dcp']:>2} {c['requests']:>4} "
-                    f"{c['query_tokens']:>6} {c['history_tokens']:>8} " + " ".join(ms)
-                    + f" {c.get('speedup', float('nan')):>7.2f}x")
+        ms = [c["methods"][m]["time"]["median_ms"] if m in c["methods"] else "-" for m in METHODS]
+        rows.append(TABLE.row(c["snapshot"], c["scale"], c["kind"], c["dcp"], c["requests"], c["query_tokens"],
+                              c["history_tokens"], *ms, c.get("speedup", float("nan"))))
     return rows
 
 

@@ -42,6 +42,9 @@ import multi_gpu_common as C  # noqa: E402
 DATASETS = ("prolong", "arxiv", "freelaw", "github", "pilecc")
 METHODS = ("megaring", "ring", "allgather")
 PAPER = {"fwd": 1.23, "bwd": 1.18}
+TABLE = C.Table(("dataset", "<8"), ("tokens", ">6"), ("seqs", ">4"), ("groups", "<8"), ("method", "<9"),
+                ("fwd ms", ">9.2f"), ("TF/s/GPU", ">8.3g"), ("f+b ms", ">9.2f"), ("TF/s/GPU", ">8.3g"),
+                ("err", ">8.1e"))
 
 
 def parse_args(argv):
@@ -212,10 +215,8 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
         dplan = R.device_plan(plan)
         xs = [plan.shard(x) for x in (q, k, v, do)]   # packed -> CP layout, on the devices
         for dt in (check_dtypes or [args.dtype]):
-            # float32 checks run at "highest" matmul precision (GPUs default to TF32-like passes).
-            ctx = jax.default_matmul_precision("highest") if dt == "float32" else _null()
             xs_dt = xs if dt == args.dtype else [x.astype(dt) for x in xs]
-            with ctx:
+            with C.matmul_precision(dt):
                 fwd, fb = R.programs(method, plan)
                 t1 = time.perf_counter()
                 res_fb = jax.block_until_ready(fb(*xs_dt, dplan))
@@ -245,11 +246,9 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
             del res_fb, res_f
         if timing and not budget.over():
             # The programs, arrays and precision context of the check (args.dtype): already compiled.
-            with jax.default_matmul_precision("highest") if args.dtype == "float32" else _null():
-                m["fwd"] = C.time_call(fwd, *xs[:3], dplan, warmup=args.warmup, iters=args.iters,
-                                       max_seconds=args.max_time_per_call)
-                m["fwdbwd"] = C.time_call(fb, *xs, dplan, warmup=args.warmup, iters=args.iters,
-                                          max_seconds=args.max_time_per_call)
+            with C.matmul_precision(args.dtype):
+                m["fwd"] = C.time_call(fwd, *xs[:3], dplan, **C.timing(args))
+                m["fwdbwd"] = C.time_call(fb, *xs, dplan, **C.timing(args))
             tf, tfb = m["fwd"]["median_ms"], m["fwdbwd"]["median_ms"]
             m["fwd_tflops_per_gpu"] = fl / N / (tf * 1e-3) / 1e12
             m["fwdbwd_tflops_per_gpu"] = 3.5 * fl / N / (tfb * 1e-3) / 1e12
@@ -259,14 +258,6 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
         del xs
     _speedups(rec)
     return rec
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _speedups(rec):
@@ -279,9 +270,8 @@ def _speedups(rec):
         return
     for key, get in (("fwd", lambda v: v["fwd"]["median_ms"]), ("fwdbwd", lambda v: v["fwdbwd"]["median_ms"]),
                      ("bwd", lambda v: v["bwd_ms"])):
-        best = min(base, key=lambda m: get(base[m]))
-        rec[f"best_baseline_{key}"] = best
-        rec[f"speedup_{key}"] = get(base[best]) / get(mr) if get(mr) > 0 else None
+        rec[f"best_baseline_{key}"], rec[f"speedup_{key}"] = C.best_speedup(
+            {m: get(v) for m, v in base.items()}, get(mr))
 
 
 def main(argv=None) -> dict:
@@ -293,19 +283,15 @@ def main(argv=None) -> dict:
     from liquidcp_jax.workloads import parse_tokens, sample_batch
 
     budget = C.Budget(args.budget_s)
-
-    def log(msg):
-        print(f"[{budget.elapsed():7.1f}s] {msg}", flush=True)
-
+    log = budget.log
     devs = C.devices(args.devices, force_cpu=args.cpu or args.tiny)
     N = len(devs)
     mesh = jax.make_mesh((N,), ("cp",), devices=devs)
     R = Runner(mesh, args)
-    out = {"script": "benchmarks/multi_gpu_megaring.py", "argv": list(argv if argv is not None else sys.argv[1:]),
-           "env": C.env_info(), "devices": N, "dtype": args.dtype,
-           "shape": {"hq": args.hq, "hkv": args.hkv, "head_dim": args.head_dim, "tile": args.tile},
-           "pallas_engine": "not run: no cross-device KV transfer yet (only all-size-1 plans)",
-           "thresholds": C.TOL, "paper_speedups": PAPER, "groups_case": None, "configs": []}
+    out = C.new_report("benchmarks/multi_gpu_megaring.py", argv, devices=N, dtype=args.dtype,
+                       shape={"hq": args.hq, "hkv": args.hkv, "head_dim": args.head_dim, "tile": args.tile},
+                       pallas_engine="not run: no cross-device KV transfer yet (only all-size-1 plans)",
+                       thresholds=C.TOL, paper_speedups=PAPER, groups_case=None, configs=[])
     log(f"{N} x {devs[0].platform} ({devs[0].device_kind}), jax {jax.__version__}, {args.dtype}, "
         f"Hq={args.hq} Hkv={args.hkv} D={args.head_dim}, tile {args.tile}; methods {args.methods}")
 
@@ -348,16 +334,12 @@ def main(argv=None) -> dict:
             out["groups_case"] = rec
         C.write_json(args.out, out)
 
-    hdr = (f"{'dataset':<8} {'tokens':>6} {'seqs':>4} {'groups':<8} {'method':<9} {'fwd ms':>9} {'TF/s/GPU':>8} "
-           f"{'f+b ms':>9} {'TF/s/GPU':>8} {'err':>8}")
-    table = [hdr]
+    table = [TABLE.header()]
     for b in range(args.batches):
         for tok in args.tokens:
             T = parse_tokens(tok)
             for ds in args.datasets:
-                if budget.over():
-                    log(f"budget of {args.budget_s} s spent: stopping before {ds} {tok} batch {b}")
-                    out["stopped_early"] = f"budget spent before {ds} {tok} batch {b}"
+                if budget.stop_before(f"{ds} {tok} batch {b}", out):
                     break
                 seed = args.seed + b
                 lengths = [int(x) for x in sample_batch(ds, T, seed)]
@@ -376,36 +358,26 @@ def main(argv=None) -> dict:
                 for line in table[-len(rec["methods"]):]:
                     log(line)
                 C.write_json(args.out, out)
-    out["summary"] = summarize(out["configs"])
-    out["ok"] = bool(ok)
-    out["elapsed_s"] = budget.elapsed()
-    C.write_json(args.out, out)
+    C.finish_report(args.out, out, summary=summarize(out["configs"]), ok=ok, budget=budget)
     print("\n".join(table))
     s = out["summary"]
     log(f"geomean speedup over the best baseline ({s['configs_timed']} configurations): "
-        f"fwd {_f(s['geomean_speedup_fwd'])}x (paper {PAPER['fwd']}x), bwd {_f(s['geomean_speedup_bwd'])}x "
-        f"(paper {PAPER['bwd']}x), fwd+bwd {_f(s['geomean_speedup_fwdbwd'])}x")
+        f"fwd {C.fmt(s['geomean_speedup_fwd'])}x (paper {PAPER['fwd']}x), bwd {C.fmt(s['geomean_speedup_bwd'])}x "
+        f"(paper {PAPER['bwd']}x), fwd+bwd {C.fmt(s['geomean_speedup_fwdbwd'])}x")
     group_sizes = sorted({x for c in out["configs"] for x in c["methods"].get("megaring", {}).get("group_sizes", [])})
     log(f"BuddyRing group sizes seen: {group_sizes}; correctness {'OK' if ok else 'FAILED'}; wrote {args.out}")
     return out
 
 
-def _f(x):
-    return "n/a" if x is None else f"{x:.2f}"
-
-
 def _rows(rec):
+    """One :data:`TABLE` row per method of a configuration's record."""
     rows = []
     for m, v in rec["methods"].items():
         gs = "".join(str(x) for x in v.get("group_sizes", []))
         err = max(v["max_error"].values()) if v.get("max_error") else float("nan")
-        if "fwd" in v:
-            rows.append(f"{rec['dataset']:<8} {rec['tokens_budget']:>6} {rec['num_seqs']:>4} {gs:<8} {m:<9} "
-                        f"{v['fwd']['median_ms']:>9.2f} {v['fwd_tflops_per_gpu']:>8.3g} "
-                        f"{v['fwdbwd']['median_ms']:>9.2f} {v['fwdbwd_tflops_per_gpu']:>8.3g} {err:>8.1e}")
-        else:
-            rows.append(f"{rec['dataset']:<8} {rec['tokens_budget']:>6} {rec['num_seqs']:>4} {gs:<8} {m:<9} "
-                        f"{'skipped':>9} {'':>8} {'':>9} {'':>8} {err:>8.1e}")
+        timed = ((v["fwd"]["median_ms"], v["fwd_tflops_per_gpu"], v["fwdbwd"]["median_ms"],
+                  v["fwdbwd_tflops_per_gpu"]) if "fwd" in v else ("skipped", "", "", ""))
+        rows.append(TABLE.row(rec["dataset"], rec["tokens_budget"], rec["num_seqs"], gs, m, *timed, err))
     return rows
 
 

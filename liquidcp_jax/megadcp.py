@@ -34,31 +34,19 @@ _TABLE_KEYS = ("requests", "chunk", "history", "reductions", "reduction_inputs",
 
 
 @dataclasses.dataclass(frozen=True)
-class DcpStatic:
-    """The hashable part of a plan (capacities, not batch counts): the compile key."""
+class DcpStatic(xla_dcp.DcpShape):
+    """The hashable part of a plan (capacities, not batch counts): the compile key.
 
-    mesh: Mesh
-    axis_name: str
-    dcp: int
-    num_q_heads: int
-    hq: int
-    head_dim: int | None
-    tile: int
-    q_tile_tokens: int
-    chunk_q_tile_tokens: int
-    tq_cap: int
-    hist_cap: int
-    task_slots: int
-    red_inputs: int
-    red_run: int
-    chunk_pair_block: int
-    hist_pair_block: int
+    The executor's capacities (:class:`~liquidcp_jax.executors.xla_dcp.DcpShape`) plus the
+    facts the op checks its inputs against.
+    """
+
+    mesh: Mesh = dataclasses.field(kw_only=True)
+    num_q_heads: int = dataclasses.field(kw_only=True)
+    head_dim: int | None = dataclasses.field(kw_only=True)
 
     def exec_spec(self, scale: float) -> xla_dcp.DcpSpec:
-        return xla_dcp.DcpSpec(self.axis_name, self.dcp, self.hq, self.tile, self.q_tile_tokens,
-                               self.chunk_q_tile_tokens, self.tq_cap, self.hist_cap, self.task_slots,
-                               self.red_inputs, self.red_run, float(scale), self.chunk_pair_block,
-                               self.hist_pair_block)
+        return xla_dcp.DcpSpec.from_static(self, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +288,10 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     dmax = 256 if head_dim is None else int(head_dim)   # the block must fit any head dim it may see
     c_block = _pair_block(pair_caps["chunk_pairs"], t.chunk_q_tile_tokens * hq, tile, dmax, memory_budget)
     h_block = _pair_block(pair_caps["history_pairs"], t.q_tile_tokens * Pn * hq, tile, dmax, memory_budget)
-    static = DcpStatic(mesh, axis_name, Pn, int(num_q_heads), hq,
-                       None if head_dim is None else int(head_dim), int(tile), t.q_tile_tokens,
-                       t.chunk_q_tile_tokens, tq_cap, hist_cap, t.hist_request.shape[0],
-                       red_inputs, red_run, c_block, h_block)
+    static = DcpStatic(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
+                       hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block,
+                       mesh=mesh, num_q_heads=int(num_q_heads),
+                       head_dim=None if head_dim is None else int(head_dim))
     capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
                 "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
     source = _split_source or ("critical_wave" if splits is None else "fixed")

@@ -102,6 +102,45 @@ def _block_size(plan: MegaRingPlan, block: int | None) -> int:
     return b
 
 
+def _ring_pass(attend, kv, s):
+    """Per-step zigzag ring: ``N`` steps, the KV shard moving one hop per step, states merged."""
+    perm = [(d, (d + 1) % s.num_devices) for d in range(s.num_devices)]
+    running = None
+    for t in range(s.num_devices):
+        if t:   # one hop per step: after t hops the shard of member p - t is here
+            kv = tuple(lax.ppermute(x, s.axis_name, perm) for x in kv)
+        part = attend(*kv)
+        running = part if running is None else st.merge(running, part)
+    return running
+
+
+def _allgather_pass(attend, kv, s):
+    """KV all-gather: the whole batch's KV (``N * capacity`` rows) on every device, one pass."""
+    return attend(*(lax.all_gather(x, s.axis_name, tiled=True) for x in kv))
+
+
+def _baseline(kv_pass, name: str, q, k, v, plan: MegaRingPlan, causal: bool, scale: float | None,
+              block: int | None):
+    """Checks the inputs and runs ``kv_pass`` (:func:`_ring_pass` or :func:`_allgather_pass`)."""
+    d = _check_inputs(q, k, v, plan, causal)
+    _check_plan(plan, name)
+    scale = d ** -0.5 if scale is None else float(scale)
+    block = _block_size(plan, block)
+    return _baseline_jit(q, k, v, plan, kv_pass, causal, scale, block)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _baseline_jit(q, k, v, plan, kv_pass, causal, scale, block):
+    """The per-device body both baselines share: the local queries attend the KV buffers that
+    ``kv_pass(attend, (k, v, seg, pos, val), plan.static) -> PartialState`` brings to them."""
+
+    def body(q, k, v, seg, pos, val):
+        attend = functools.partial(_attend_blocks, q, seg, pos, val, causal=causal, scale=scale, block=block)
+        return _finish(kv_pass(attend, (k, v, seg, pos, val), plan.static), val, q.dtype)
+
+    return _run(body, q, k, v, plan, 6)
+
+
 def ring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
                    block: int | None = None):
     """Per-step zigzag ring attention (ring-flash-attention / Megatron CP style), differentiable.
@@ -113,30 +152,7 @@ def ring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: f
     Returns:
       ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
     """
-    d = _check_inputs(q, k, v, plan, causal)
-    _check_plan(plan, "ring")
-    scale = d ** -0.5 if scale is None else float(scale)
-    block = _block_size(plan, block)
-    return _ring_jit(q, k, v, plan, causal, scale, block)
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _ring_jit(q, k, v, plan, causal, scale, block):
-    s = plan.static
-    perm = [(d, (d + 1) % s.num_devices) for d in range(s.num_devices)]
-    attend = functools.partial(_attend_blocks, causal=causal, scale=scale, block=block)
-
-    def body(q, k, v, seg, pos, val):
-        running = None
-        kv = (k, v, seg, pos, val)
-        for t in range(s.num_devices):
-            if t:   # one hop per step: after t hops the shard of member p - t is here
-                kv = tuple(lax.ppermute(x, s.axis_name, perm) for x in kv)
-            part = attend(q, seg, pos, val, *kv)
-            running = part if running is None else st.merge(running, part)
-        return _finish(running, val, q.dtype)
-
-    return _run(body, q, k, v, plan, 6)
+    return _baseline(_ring_pass, "ring", q, k, v, plan, causal, scale, block)
 
 
 def allgather_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
@@ -146,20 +162,4 @@ def allgather_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, sca
     Args and returns as :func:`ring_attention`. Every device holds the whole batch's K and V
     (``N * capacity`` rows) during the call.
     """
-    d = _check_inputs(q, k, v, plan, causal)
-    _check_plan(plan, "all-gather")
-    scale = d ** -0.5 if scale is None else float(scale)
-    block = _block_size(plan, block)
-    return _allgather_jit(q, k, v, plan, causal, scale, block)
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _allgather_jit(q, k, v, plan, causal, scale, block):
-    ax = plan.static.axis_name
-    attend = functools.partial(_attend_blocks, causal=causal, scale=scale, block=block)
-
-    def body(q, k, v, seg, pos, val):
-        kv = tuple(lax.all_gather(x, ax, tiled=True) for x in (k, v, seg, pos, val))
-        return _finish(attend(q, seg, pos, val, *kv), val, q.dtype)
-
-    return _run(body, q, k, v, plan, 6)
+    return _baseline(_allgather_pass, "all-gather", q, k, v, plan, causal, scale, block)

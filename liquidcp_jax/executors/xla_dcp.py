@@ -39,8 +39,12 @@ TRACES: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass(frozen=True)
-class DcpSpec:
-    """Static facts the per-rank program is traced with (hashable; capacities, not counts)."""
+class DcpShape:
+    """The capacities a per-rank program is traced with (hashable; capacities, not counts).
+
+    One field list for both sides of the split: the plan's compile key (``megadcp.DcpStatic``)
+    extends it with host facts, :class:`DcpSpec` with the call's softmax scale.
+    """
 
     axis_name: str
     dcp: int
@@ -53,13 +57,26 @@ class DcpSpec:
     task_slots: int
     red_inputs: int
     red_run: int
-    scale: float
     chunk_pair_block: int = 1 << 30     # pairs evaluated at once (bounds temporary memory)
     hist_pair_block: int = 1 << 30
 
     @property
     def heads(self) -> int:
         return self.dcp * self.hq
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpSpec(DcpShape):
+    """Static facts the per-rank program is traced with: a :class:`DcpShape` plus the scale."""
+
+    scale: float = dataclasses.field(kw_only=True)
+
+    @classmethod
+    def from_static(cls, static: DcpShape, scale: float) -> "DcpSpec":
+        """The spec of ``static`` (a :class:`DcpShape`, e.g. a plan's ``DcpStatic``) at ``scale``:
+        its shape fields only, so host facts (mesh, head counts) stay out of the trace key."""
+        shape = {f.name: getattr(static, f.name) for f in dataclasses.fields(DcpShape)}
+        return cls(**shape, scale=float(scale))
 
 
 class DcpExecTables(NamedTuple):
