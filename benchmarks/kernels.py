@@ -7,7 +7,8 @@ Sections (in this order, so that a time budget cuts the least important part):
   variants  (``--variants``) our kernels under several configs on dense 8K and one packed short
             batch: fwd ``TuningConfig()`` vs ``persistent=True`` (if the field exists), backward
             only (dQ + dK/dV kernels, ``pallas_segment_attention_bwd``) for
-            ``BwdTuningConfig(overlap, block_kv_dq)`` in {False, True} x {64, 128}.
+            ``BwdTuningConfig(overlap=True, block_kv_dq, fused=False)``, block_kv_dq in {64, 128},
+            and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg").
   packed    packed variable-length batches of 64K and 128K tokens sampled from the five training
             distributions (``liquidcp_jax.workloads.sample_batch``, seed 0), ``--lognormal`` adds
             the two earlier lognormal mixes: ours vs cuDNN's packed layout vs XLA attention
@@ -90,6 +91,30 @@ class Bench:
       ts.append(time.perf_counter() - t)
     return float(np.median(ts)), compile_s
 
+  def measure_interleaved(self, res, items, n):
+    """Times several ``(name, flops, f, args)`` round-robin: one call of each per round, ``n``
+    rounds, median per name. Clock ramp-up and drift then hit every implementation alike instead
+    of whichever runs first."""
+    live = []
+    for name, flops, f, args in items:
+      try:
+        t_c = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        res[f"{name}_compile_s"] = round(time.perf_counter() - t_c, 1)
+        jax.block_until_ready(f(*args))
+        live.append((name, flops, f, args, []))
+      except Exception as e:
+        res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    for _ in range(n):
+      for name, flops, f, args, ts in live:
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    for name, flops, f, args, ts in live:
+      t = float(np.median(ts))
+      res[f"{name}_ms"] = round(t * 1e3, 4)
+      res[f"{name}_tflops"] = round(flops / t / 1e12, 2)
+
   def measure(self, res, name, flops, f, *args, n):
     """Times f into res[name_ms/_tflops/_compile_s] or records res[name_error]."""
     if self.over_budget():
@@ -147,13 +172,17 @@ def _loss_grad(fwd):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+# The backward config of the "ours" rows (``--bwd-fused``); None = the library default.
+BWD_CONFIG = None
+
+
 @functools.cache
 def ours_fns(scale, config=None):
   """(fwd, fwd+bwd) of our varlen op; segment arrays and num_segs are traced arguments, so one
   executable serves every batch of the same token count and segment capacity."""
   def fwd(q, k, v, qs, ks, ln, n):
     return api.varlen_attention(q, k, v, qs, ks, ln, n, causal=True, sm_scale=scale,
-                                config=config)[0]
+                                config=config, bwd_config=BWD_CONFIG)[0]
   return jax.jit(fwd), _loss_grad(fwd)
 
 
@@ -286,10 +315,18 @@ def bench_dense(b, s, tokamax, n):
             fns[name][0](q, k, v).astype(jnp.float32) - ref)))
   except Exception as e:
     res["diff_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-  for name, (f, g) in fns.items():
-    b.measure(res, f"{name}_fwd", flops, f, q, k, v, n=n)
+  if b.a.interleave:
+    res["timing"] = "interleaved"
+    b.measure_interleaved(res, [(f"{nm}_fwd", flops, f, (q, k, v)) for nm, (f, _) in fns.items()],
+                          n)
     if not b.a.no_bwd:
-      b.measure(res, f"{name}_fwdbwd", 3.5 * flops, g, q, k, v, do, n=max(3, n // 2))
+      b.measure_interleaved(res, [(f"{nm}_fwdbwd", 3.5 * flops, g, (q, k, v, do))
+                                  for nm, (_, g) in fns.items()], max(3, n // 2))
+  else:
+    for name, (f, g) in fns.items():
+      b.measure(res, f"{name}_fwd", flops, f, q, k, v, n=n)
+      if not b.a.no_bwd:
+        b.measure(res, f"{name}_fwdbwd", 3.5 * flops, g, q, k, v, do, n=max(3, n // 2))
   for base in ("cudnn", "tokamax"):
     _ratio(res, "ours_fwd", f"{base}_fwd")
     _ratio(res, "ours_fwdbwd", f"{base}_fwdbwd")
@@ -341,9 +378,10 @@ def variant_configs():
     fwd.append(("fwd persistent", api.TuningConfig(persistent=True)))
   except Exception as e:  # the field may not exist yet
     fwd.append(("fwd persistent", f"unavailable: {type(e).__name__}: {e}"))
-  bwd = [(f"bwd overlap={ov} block_kv_dq={bk}",
-          bwd_lib.BwdTuningConfig(overlap=ov, block_kv_dq=bk))
-         for ov in (False, True) for bk in (64, 128)]
+  bwd = [(f"bwd overlap=True block_kv_dq={bk}",
+          bwd_lib.BwdTuningConfig(overlap=True, block_kv_dq=bk, fused=False)) for bk in (64, 128)]
+  bwd.append(("bwd fused pair", bwd_lib.BwdTuningConfig(fused=True)))
+  bwd.append(("bwd fused wg", bwd_lib.BwdTuningConfig(fused=True, fused_split="wg")))
   return fwd, bwd
 
 
@@ -455,10 +493,23 @@ def main():
   ap.add_argument("--datasets", default=None, help="comma list restricting the packed datasets")
   ap.add_argument("--tokens", default=None, help="comma list restricting the packed token counts, "
                   "e.g. 64K")
+  ap.add_argument("--interleave", action="store_true",
+                  help="dense section: time the implementations round-robin (see "
+                  "Bench.measure_interleaved) instead of one after another")
+  ap.add_argument("--sections", default=None,
+                  help="comma list of sections to run (dense, variants, packed); default all")
+  ap.add_argument("--bwd-fused", choices=("auto", "on", "off"), default="auto",
+                  help="backward of the 'ours' rows: the library default (auto), or force the "
+                  "fused dK/dV/dQ kernel on / off")
   ap.add_argument("--out", default="benchmarks/results/kernels.json")
   a = ap.parse_args()
+  global BWD_CONFIG
+  BWD_CONFIG = {"auto": None, "on": bwd_lib.BwdTuningConfig(fused=True),
+                "off": bwd_lib.BwdTuningConfig(fused=False)}[a.bwd_fused]
   n = a.reps or (1 if a.smoke else 3 if a.quick else 8)
   cases, caps = plan(a)
+  if a.sections:
+    cases = [c for c in cases if c[0] in a.sections.split(",")]
   if a.dry_run:
     print(f"{len(cases)} cases, segment capacities {caps}, reps {n}")
     for sec, label, lens in cases:
@@ -475,7 +526,7 @@ def main():
   tokamax = import_tokamax()
   b.meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "date": datetime.date.today().isoformat(), "reps": n, "argv": sys.argv[1:],
-            "timing": "wall-clock median after compile + warm-up",
+            "timing": "wall-clock median after compile + warm-up", "bwd_fused": a.bwd_fused,
             "tokamax": tokamax if isinstance(tokamax, str) else getattr(tokamax, "__version__", "ok")}
   print(json.dumps(b.meta), flush=True)
   for sec, label, lens in cases:

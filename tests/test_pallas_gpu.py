@@ -99,13 +99,14 @@ def test_dense_large_causal():
   assert _rel(lse[:, hs], rl) < 2e-2
 
 
-_BWD_CONFIGS = [dict(overlap=True), dict(overlap=True, block_kv_dq=128),
-                dict(overlap=False, block_kv_dq=128), dict(overlap=True, max_concurrent_steps=3)]
+_BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=128, fused=False),
+                dict(overlap=False, block_kv_dq=128, fused=False),
+                dict(overlap=True, max_concurrent_steps=3, fused=False), dict(fused=True)]
 
 
 @pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
 @pytest.mark.parametrize("cfg", _BWD_CONFIGS,
-                         ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3"])
+                         ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])
@@ -123,3 +124,28 @@ def test_backward_configs_match_float64(cfg, case, causal):
                                          sm_scale=scale)
   for a, b in zip(grads, refs):
     assert _rel(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("mode,d", [("pair", 128), ("wg", 128), ("wg", 64), ("off", 128)])
+def test_fused_backward_gqa_packed(causal, mode, d):
+  """Fused dK/dV/dQ kernel (both dQ splits) and the two-kernel path vs float64: GQA 4, segments
+  sharing 128-row blocks (their keys must not leak into each other's dQ), lengths that are not
+  tile multiples."""
+  lens, gaps = [1, 700, 129, 64, 1000, 3], [0, 5, 0, 0, 11, 0]
+  q, k, v, qs, ks, ln, n = _inputs(101 + causal, lens, gaps, 8, 2, d, jnp.bfloat16)
+  scale = 0.09
+  do = jnp.asarray(np.random.default_rng(5 + causal).standard_normal(q.shape), q.dtype)
+  out, lse = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale))(
+      q, k, v, qs, ks, ln, n)
+  config = (bwd_ref.BwdTuningConfig(fused=False) if mode == "off"
+            else bwd_ref.BwdTuningConfig(fused=True, fused_split=mode))
+  f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=causal, sm_scale=scale,
+                                                          config=config))
+  jax.block_until_ready(f(q, k, v, out, lse, do * jnp.nan, qs, ks, ln, n))  # poison
+  grads = f(q, k, v, out, lse, do, qs, ks, ln, n)
+  z = np.zeros_like(ln)
+  refs = bwd_ref.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, n, causal=causal,
+                                         sm_scale=scale)
+  for name, a, b in zip(("dq", "dk", "dv"), grads, refs):
+    assert _rel(a, b) < 2e-2, name

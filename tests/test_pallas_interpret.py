@@ -142,7 +142,7 @@ def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   cfg = bwd.BwdTuningConfig(block_kv_dq=bkv_dq, block_q_dkv=bq_dkv, max_concurrent_steps=mcs,
-                            overlap=overlap)
+                            overlap=overlap, fused=False)
   sd = jax.ShapeDtypeStruct
   q, k = sd((256, 2, d), jnp.bfloat16), sd((256, 1, d), jnp.bfloat16)
   lse, seg = sd((256, 2), jnp.float32), sd((2,), jnp.int32)
@@ -156,3 +156,51 @@ def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
   else:
     import re
     assert len(re.findall(r"custom_call @mosaic_gpu", lower())) == 2  # the dQ and dK/dV kernels
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_fused_backward_gpu_lowering(hq, hkv):
+  """The fused dK/dV/dQ kernel (TMA reduce-add, not runnable in interpret mode) lowers to one
+  Mosaic GPU call on CPU with both dQ splits, the float32 dQ accumulator aliased input -> output;
+  the default config runs the two kernels."""
+  import re
+  import jax
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  sd = jax.ShapeDtypeStruct
+  q, k = sd((640, hq, 128), jnp.bfloat16), sd((640, hkv, 128), jnp.bfloat16)
+  lse, seg = sd((640, hq), jnp.float32), sd((3,), jnp.int32)
+  for cfg, n_calls in ((bwd.BwdTuningConfig(fused=True), 1), (bwd.BwdTuningConfig(), 2),
+                       (bwd.BwdTuningConfig(fused=True, fused_split="wg"), 1)):
+    f = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(*a, causal=True,
+                                                                     sm_scale=0.1, config=cfg))
+    txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [l for l in txt.splitlines() if "custom_call @mosaic_gpu" in l]
+    assert len(calls) == n_calls
+    if n_calls == 1:
+      assert "output_operand_alias<output_tuple_indices = [2], operand_index = 7" in calls[0]
+
+
+def test_fused_backward_rejects_unsupported():
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  from liquidcp_jax.pallas import tile_attention_bwd_fused as fused
+  assert fused.supports(bwd.BwdTuningConfig(), 128) == (True, "")
+  assert not fused.supports(bwd.BwdTuningConfig(), 64)[0]
+  assert fused.supports(bwd.BwdTuningConfig(fused_split="wg"), 64) == (True, "")
+  assert not fused.supports(bwd.BwdTuningConfig(block_q_dkv=128), 128)[0]
+  assert "SMEM" in fused.supports(bwd.BwdTuningConfig(max_concurrent_steps=3), 128)[1]
+  with pytest.raises(ValueError, match="fused"):
+    bwd.BwdTuningConfig(fused="yes")
+  with pytest.raises(ValueError, match="fused_split"):
+    bwd.BwdTuningConfig(fused_split="half")
+  q = jnp.ones((128, 2, 64), jnp.bfloat16)
+  k = jnp.ones((128, 1, 64), jnp.bfloat16)
+  lse = jnp.zeros((128, 2), jnp.float32)
+  seg = jnp.array([0], jnp.int32), jnp.array([0], jnp.int32), jnp.array([100], jnp.int32)
+  with pytest.raises(ValueError, match="head_dim 128"):
+    api.pallas_segment_attention_bwd(q, k, k, q, lse, q, *seg, 1, causal=True, sm_scale=0.1,
+                                     config=bwd.BwdTuningConfig(fused=True))
+  q, k = q.repeat(2, axis=2), k.repeat(2, axis=2)
+  with pytest.raises(ValueError, match="interpreter"):
+    api.pallas_segment_attention_bwd(q, k, k, q, lse, q, *seg, 1, causal=True, sm_scale=0.1,
+                                     config=bwd.BwdTuningConfig(fused=True), interpret=True)

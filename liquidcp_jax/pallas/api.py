@@ -15,6 +15,7 @@ import numpy as np
 
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
 from liquidcp_jax.pallas import tile_attention_fwd as fwd_lib
 
 TuningConfig = fwd_lib.TuningConfig
@@ -149,6 +150,19 @@ def _roundup(x, m):
   return max(-(-x // m) * m, m)
 
 
+def _use_fused(config, head_dim, interpret) -> bool:
+  """Whether the backward runs the fused dK/dV/dQ kernel (``BwdTuningConfig.fused``)."""
+  if not config.fused:
+    return False
+  if interpret:
+    raise ValueError("bwd_config.fused=True needs the GPU: the interpreter has no TMA "
+                     "reduce-add; use fused=False with interpret=True")
+  ok, why = fused_lib.supports(config, head_dim)
+  if not ok:
+    raise ValueError(f"bwd_config.fused=True: {why}")
+  return True
+
+
 def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, seg_len,
                                  num_segs, *, causal, sm_scale, config=None, interpret=False):
   """Backward with the Mosaic GPU kernels. Shapes as :func:`varlen_attention`; returns dq, dk, dv.
@@ -166,12 +180,19 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   delta = jnp.pad(delta, ((0, 0), (0, tqb - tq)))
   lse2 = jnp.pad(lse2, ((0, 0), (0, tqb - tq)), constant_values=jnp.inf)
   z = jnp.zeros_like(seg_len)
-  t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z, num_segs,
-                                     tq=tqb, tk=tkb, block_q=128, block_kv=config.block_kv_dq,
-                                     causal=causal, xp=jnp)
   t_kv = tables_lib.build_task_table(seg_kv_start, seg_len, seg_q_start, seg_len, z, z, num_segs,
                                      tq=tkb, tk=tqb, block_q=128, block_kv=config.block_q_dkv,
                                      causal=causal, reverse=True, xp=jnp)
+  if _use_fused(config, d, interpret):
+    acc = jax.new_ref(jnp.zeros((tqb, hq, d), jnp.float32))
+    dk, dv = fused_lib.fused_bwd_kernel_call(qb, kb, vb, dob, lse2, delta, acc, t_kv.table,
+                                             t_kv.capacity, causal=causal, sm_scale=sm_scale,
+                                             config=config)
+    dq = (acc[...][:tq] * sm_scale).astype(q.dtype)
+    return dq, dk[:tk], dv[:tk]
+  t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z, num_segs,
+                                     tq=tqb, tk=tkb, block_q=128, block_kv=config.block_kv_dq,
+                                     causal=causal, xp=jnp)
   dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
                               causal=causal, sm_scale=sm_scale, config=config, interpret=interpret)
   dk, dv = bwd_lib.dkv_kernel_call(qb, kb, vb, dob, lse2, delta, t_kv.table, t_kv.capacity,

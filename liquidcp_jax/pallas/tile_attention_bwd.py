@@ -77,11 +77,19 @@ class BwdTuningConfig:
   SMEM budget (:func:`smem_bytes`) rules out some with head_dim 128, e.g. ``block_q_dkv=128``.
   Defaults from the H200 sweep of 2026-12-03 (RESULTS.md): ``overlap=True, block_kv_dq=128``
   gave 358 TFLOP/s on the dense 8K backward vs 330 for ``(False, 64)``; on a packed Pile-CC 64K
-  batch 368 vs 376."""
+  batch 368 vs 376.
+
+  ``fused=True``: compute dQ inside the dK/dV kernel (:mod:`tile_attention_bwd_fused`, 5 matmuls
+  per tile pair instead of 7, dQ added with TMA reduce-adds into a float32 accumulator; GPU only,
+  ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module). Off by
+  default: on the H200 it measured slower than the two kernels (dense 8K backward 326 / 293
+  TFLOP/s for pair / wg vs 362; RESULTS.md, 2026-12-03)."""
   block_kv_dq: int = 128
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
   overlap: bool = True
+  fused: bool = False
+  fused_split: str = "pair"
 
   def __post_init__(self):
     for name in ("block_kv_dq", "block_q_dkv"):
@@ -91,6 +99,10 @@ class BwdTuningConfig:
       raise ValueError(f"max_concurrent_steps must be in [2, 4], got {self.max_concurrent_steps}")
     if not isinstance(self.overlap, bool):
       raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+    if self.fused_split not in ("pair", "wg"):
+      raise ValueError(f"fused_split must be 'pair' or 'wg', got {self.fused_split!r}")
+    if not isinstance(self.fused, bool):
+      raise ValueError(f"fused must be a bool, got {self.fused!r}")
 
 
 _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)

@@ -1,0 +1,267 @@
+"""Fused backward of segment tile attention: dK, dV and dQ in one Mosaic GPU kernel.
+
+The two-kernel backward (:mod:`tile_attention_bwd`) recomputes S and dP in both the dQ and the
+dK/dV kernels: 7 matmuls per (Q tile, KV tile). This kernel does 5, as FlashAttention-3 does: one
+CTA per (KV head, 128-key task of the *reverse* table) streams the Q / dO / LSE / delta tiles of
+every q head of the group (64 queries per tile) and, per tile,
+- S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta);
+- dV += P^T dO and dK += dS^T Q in registers (register LHS), as the dK/dV kernel does;
+- dS^T goes to SMEM and dQ_part = dS K is added to a float32 dQ accumulator in GMEM with a TMA
+  reduce-add (atomic per element, so CTAs of different key tasks add to the same rows without a
+  race). ``fused_split="pair"``: dS^T of both compute warpgroups (64 keys each) forms one SMEM tile
+  [128 keys, 64 queries]; after a two-arrival barrier each warpgroup computes dQ_part for its half
+  of D over all 128 keys (head dim 128 only: the D/2 column split must fall on a 64-column swizzle
+  tile). ``fused_split="wg"``: each warpgroup computes dQ_part over its own 64 keys for all of D (no
+  barrier between the warpgroups, twice the reduce-add traffic; dK/dV are staged as float32 through
+  the dQ buffer to stay inside SMEM).
+The accumulator is a ``jax.Ref`` (zeros) passed in; the wrapper scales it by ``sm_scale`` and casts.
+``block_q_dkv=64`` (SMEM). The GPU interpreter has no TMA reduce-add, so this kernel runs on the
+GPU only; on CPU its lowering is checked (SMEM budget, layouts). Measured on the H200 (RESULTS.md,
+2026-12-03) it is correct but 7-20 % slower than the two-kernel backward, hence opt-in
+(``BwdTuningConfig(fused=True)``).
+Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
+are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
+take the masked path for every tile.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store
+
+_ROWS = bwd_lib._ROWS
+_TF = bwd_lib._TF
+
+
+def supports(config: "bwd_lib.BwdTuningConfig", head_dim: int) -> tuple[bool, str]:
+  """(True, "") if the fused kernel can run this config / head dim, else (False, why)."""
+  if config.fused_split == "pair" and head_dim != 128:
+    return False, f"the fused backward with fused_split='pair' needs head_dim 128, got {head_dim}"
+  if config.block_q_dkv != 64:
+    return False, f"the fused backward needs block_q_dkv=64, got {config.block_q_dkv}"
+  need = smem_bytes(config, head_dim)
+  if need > bwd_lib._SMEM_LIMIT:
+    return False, (f"the fused backward needs ~{need} bytes of SMEM with {config}, over the "
+                   f"{bwd_lib._SMEM_LIMIT}-byte limit")
+  return True, ""
+
+
+def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int = 2) -> int:
+  """Upper estimate of the fused kernel's SMEM, barriers included."""
+  mcs, d, bc = config.max_concurrent_steps, head_dim, config.block_q_dkv
+  al = bwd_lib._aligned
+  bufs = ([al(2 * _ROWS * d * itemsize)] * 2              # K, V of the task (128 keys)
+          + [al(mcs * bc * d * itemsize)] * 2             # Q, dO ring
+          + [al(mcs * bc * 4)] * 2                        # lse, delta ring
+          + [al(2 * _ROWS * bc * itemsize)])              # dS^T of both warpgroups
+  if config.fused_split == "pair":
+    bufs += [al(2 * bc * (d // 2) * 4), al(2 * _ROWS * d * itemsize)]  # dQ_part, dK/dV staging
+  else:
+    bufs += [al(2 * bc * d * 4)]  # dQ_part staging, reused (f32) for the dK/dV output
+  return sum(bufs) + 1024
+
+
+def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, causal, sm_scale,
+                          config: "bwd_lib.BwdTuningConfig"):
+  """dK, dV (returned) and dQ (added into ``dq_acc``) in one kernel.
+
+  q/do: [Tq, Hq, D] (Tq % 64 == 0), k/v: [Tk, Hkv, D], lse2/delta: f32 [Hq, Tq] (lse2 = lse *
+  log2(e), +inf where a row has no keys), dq_acc: a ``jax.Ref`` of float32 [Tq, Hq, D] zeros that
+  receives dQ / sm_scale, table: reverse table (rows = keys, block_q=128; cols = queries,
+  block_kv=64). Returns dk, dv [Tk, Hkv, D] in k.dtype.
+  """
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  group = hq // hkv
+  dtype = q.dtype
+  ok, why = supports(config, d)
+  if not ok:
+    raise ValueError(why)
+  bc, mcs = config.block_q_dkv, config.max_concurrent_steps
+  pair = config.fused_split == "pair"
+  half = d // 2 if pair else d  # dQ columns per warpgroup
+  scale2 = float(sm_scale) * bwd_lib._LOG2E
+  from liquidcp_jax.pallas.tables import F, ROW_ALIGN
+
+  def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
+    (k_s, v_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, o_s), kv_bar, bars, used, ds_bars = sc
+    ds_ready, ds_free = ds_bars
+    kvh = lax.axis_index("heads")
+    task = lax.axis_index("tasks")
+    wg = lax.axis_index("wg")
+    get = lambda n: tab[task, F[n]]
+    t_lo, n_tiles = get("t_lo"), get("n_tiles")
+    nt = n_tiles - t_lo
+    row_base = pl.multiple_of(get("q_base"), ROW_ALIGN)
+    col_base = pl.multiple_of(get("kv_base"), ROW_ALIGN)
+
+    def compute(w):
+      # w is static so that the D/2 column slice of K below is static.
+      c_lo, c_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
+      q_lo, q_hi = get("q_lo"), get("q_hi")
+      r0 = w * _ROWS
+      partial = (q_lo > r0) | (q_hi < r0 + _ROWS)
+      full_lo = jnp.where(partial, n_tiles, get("full_lo"))
+      full_hi = jnp.where(partial, n_tiles, get("full_hi"))
+      plgpu.barrier_wait(kv_bar.at[0])
+      plgpu.barrier_wait(kv_bar.at[1])
+      my_rows = pl.ds(r0, _ROWS)
+      k_w, v_w = k_s.at[my_rows], v_s.at[my_rows]
+      # pair: dQ[:, w-th half of D] = dS (both warpgroups' keys) K[:, half]; wg: dQ partial over
+      # this warpgroup's 64 keys, all of D.
+      k_half = k_s.at[:, pl.ds(w * half, half)] if pair else k_w
+      ds_lhs = ds_s if pair else ds_s.at[my_rows]
+      zero = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      zero_q = plgpu.layout_cast(jnp.full((bc, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+      def step(g, j, carry, masked):
+        dk, dv = carry
+        c = g * nt + (j - t_lo)
+        slot = lax.rem(c, jnp.int32(mcs))
+        qh = kvh * group + g
+        q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
+
+        def probs_t(st):
+          st = st * scale2
+          if masked:
+            ok = bwd_lib._mask(st.shape, r0, j * bc, c_lo, c_hi, diag, causal, True)
+            rr = plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA) + r0
+            st = jnp.where(ok & (rr >= q_lo) & (rr < q_hi), st, -jnp.inf)
+          plgpu.barrier_wait(lse_bar)
+          lse = plgpu.load(lse_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          return jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+
+        plgpu.barrier_wait(q_bar)
+        plgpu.barrier_wait(do_bar)
+        pt, dpt = bwd_lib._mm_t_pair(k_w, q_s.at[slot], v_w, do_s.at[slot], (_ROWS, bc), probs_t)
+        plgpu.barrier_wait(dl_bar)
+        dl = plgpu.load(dl_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        ds = (pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))).astype(dtype)
+
+        if pair:
+          # ds_s is read by both warpgroups' previous dQ wgmma: wait until both are done.
+          @pl.when(c > 0)
+          def _():
+            plgpu.barrier_wait(ds_free)
+
+        ds_s.at[my_rows][...] = ds
+        plgpu.commit_smem()
+        if pair:
+          plgpu.barrier_arrive(ds_ready)
+
+        def mms(refs):
+          rv, rk, rq = refs
+          plgpu.wgmma(rv, pt.astype(dtype), do_s.at[slot])
+          plgpu.wgmma(rk, ds, q_s.at[slot])
+          if pair:
+            plgpu.barrier_wait(ds_ready)
+          plgpu.wgmma(rq, ds_lhs.transpose((1, 0)), k_half)
+
+        dv, dk, dq = pl.run_state(mms)(
+            (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero_q)))
+        plgpu.barrier_arrive(used.at[slot])
+        if pair:
+          plgpu.barrier_arrive(ds_free)
+        # The previous reduce-add must have read dq_s before it is overwritten.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dq_s[w] = dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            dq_s.at[w], acc_ref.at[pl.ds(col_base + j * bc, bc), qh,
+                                   pl.ds(w * half, half) if pair else slice(None)],
+            reduction_op="add")
+        return dk, dv
+
+      def head_body(g, carry):
+        carry = lax.fori_loop(t_lo, full_lo, functools.partial(step, g, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g, masked=False), carry)
+        return lax.fori_loop(full_hi, n_tiles, functools.partial(step, g, masked=True), carry)
+
+      dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
+      lo = jnp.clip(q_lo - r0, 0, _ROWS)
+      hi = jnp.clip(q_hi - r0, 0, _ROWS)
+      out = o_s.at[w] if pair else dq_s.at[w]
+      odt = dtype if pair else jnp.float32
+      for val, dst in (((dk * sm_scale).astype(odt), dk_ref), (dv.astype(odt), dv_ref)):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out[...] = val
+        plgpu.commit_smem()
+        _ladder_store(out, lambda off, n, dst=dst: dst.at[pl.ds(row_base + r0 + off, n), kvh], lo,
+                      hi - lo, _ROWS)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      for w in range(2):
+        pl.when(wg == w)(functools.partial(compute, w))
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      rows = pl.ds(row_base, 2 * _ROWS)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_s, kv_bar.at[0])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_s, kv_bar.at[1])
+      total = group * nt
+
+      def issue(c, slot):
+        g = lax.div(c, jnp.maximum(nt, 1))
+        j = t_lo + c - g * nt
+        qh = kvh * group + g
+        cols = pl.ds(col_base + j * bc, bc)
+        q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
+        plgpu.copy_gmem_to_smem(q_ref.at[cols, qh], q_s.at[slot], q_bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[cols, qh], do_s.at[slot], do_bar)
+        plgpu.copy_gmem_to_smem(lse_ref.at[qh, cols], lse_s.at[slot], lse_bar)
+        plgpu.copy_gmem_to_smem(dl_ref.at[qh, cols], dl_s.at[slot], dl_bar)
+
+      for i in range(mcs):
+        pl.when(i < total)(functools.partial(issue, jnp.int32(i), i))
+
+      @pl.loop(mcs, jnp.maximum(total, mcs))
+      def _(c):
+        slot = lax.rem(c, jnp.int32(mcs))
+        plgpu.barrier_wait(used.at[slot])
+        issue(c, slot)
+
+      @pl.loop(jnp.maximum(total - mcs, 0), total)
+      def _(c):
+        plgpu.barrier_wait(used.at[lax.rem(c, jnp.int32(mcs))])
+
+  def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref):
+    scratch = [
+        plgpu.SMEM((2 * _ROWS, d), dtype, transforms=_TF()),
+        plgpu.SMEM((2 * _ROWS, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bc, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bc, d), dtype, transforms=_TF()),
+        plgpu.SMEM((mcs, bc), jnp.float32),
+        plgpu.SMEM((mcs, bc), jnp.float32),
+        plgpu.SMEM((2 * _ROWS, bc), dtype, transforms=_TF()),
+        plgpu.SMEM((2, bc, half), jnp.float32),
+        plgpu.SMEM((2, _ROWS, d), dtype) if pair else None,
+    ]
+    pl.run_scoped(
+        lambda *a: kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref,
+                          dv_ref, a),
+        scratch,
+        plgpu.Barrier(num_barriers=2),
+        tuple(plgpu.Barrier(num_barriers=mcs) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+        (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)),
+        collective_axes="wg",
+    )
+
+  shp = jax.ShapeDtypeStruct((tk, hkv, d), dtype if pair else jnp.float32)
+  dk, dv = plgpu.kernel(
+      entry, out_type=(shp, shp), grid=(hkv, n_tasks), grid_names=("heads", "tasks"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(table, q, k, v, do, lse2, delta, dq_acc)
+  return dk.astype(dtype), dv.astype(dtype)
