@@ -64,6 +64,21 @@ static Bin heap_pop_array(Heap *h) {
     return top;
 }
 
+/* Replaces the root (array top) by (w, n) and restores the heap order. */
+static void heap_replace_top(Heap *h, double w, i64 n) {
+    i64 i = 0, len = h->len;
+    for (;;) {
+        i64 c = 2 * i + 1;
+        if (c >= len) break;
+        if (c + 1 < len && h->a[c + 1].w < h->a[c].w) c++;
+        if (h->a[c].w >= w) break;
+        h->a[i] = h->a[c];
+        i = c;
+    }
+    h->a[i].w = w;
+    h->a[i].n = n;
+}
+
 static int heap_empty(const Heap *h) { return !h->len && !h->has_held; }
 
 /* Pops the earliest bin and merges every bin free at the same instant into it. */
@@ -152,13 +167,26 @@ static double dispatch(Heap *h, i64 total, double c, i64 m, double r, Bin *scrat
             if (h->a[i].w > fmax) fmax = h->a[i].w;
     }
     while (m) {
-        Bin b = heap_pop_merged(h);
-        double st = b.w > r ? b.w : r;
-        i64 a = b.n < m ? b.n : m;
-        e = st + c;
-        heap_push(h, e, a);
-        if (b.n > a) heap_hold(h, b.w, b.n - a);
-        m -= a;
+        Bin b;
+        if (!h->has_held && h->len && h->a[0].n <= m && !(h->len > 1 && h->a[1].w == h->a[0].w)
+            && !(h->len > 2 && h->a[2].w == h->a[0].w)) {
+            /* The earliest bin is alone at its time (both children are later, hence every
+             * entry) and is used up: give its tasks' end in place, one sift instead of a pop
+             * and a push. Same multiset of free times as the general path. */
+            b = h->a[0];
+            double st = b.w > r ? b.w : r;
+            e = st + c;
+            heap_replace_top(h, e, b.n);
+            m -= b.n;
+        } else {
+            b = heap_pop_merged(h);
+            double st = b.w > r ? b.w : r;
+            i64 a = b.n < m ? b.n : m;
+            e = st + c;
+            heap_push(h, e, a);
+            if (b.n > a) heap_hold(h, b.w, b.n - a);
+            m -= a;
+        }
         if (armed && b.w >= fmax) {
             armed = 0;
             if (m < total) continue;
@@ -174,6 +202,29 @@ static double dispatch(Heap *h, i64 total, double c, i64 m, double r, Bin *scrat
         }
     }
     return e;
+}
+
+/* Empties h into out in increasing W with equal W merged (what popping it would give);
+ * returns the number of bins. An insertion sort of the heap array: a binary heap is nearly
+ * level-ordered, so this moves few elements and beats popping every entry (the time map is
+ * built once per simulated candidate). */
+static i64 sorted_bins(Heap *h, Bin *out) {
+    i64 n = 0;
+    if (h->has_held) out[n++] = h->held;
+    for (i64 i = 0; i < h->len; i++) {
+        Bin b = h->a[i];
+        i64 q = n++;
+        while (q > 0 && out[q - 1].w > b.w) { out[q] = out[q - 1]; q--; }
+        out[q] = b;
+    }
+    i64 m = 0;
+    for (i64 i = 0; i < n; i++) {
+        if (m && out[m - 1].w == out[i].w) out[m - 1].n += out[i].n;
+        else out[m++] = out[i];
+    }
+    h->len = 0;
+    h->has_held = 0;
+    return m;
 }
 
 /* The bulk simulator (critical_wave._simulate_bulk). Returns 0 when there is no attention task
@@ -209,11 +260,7 @@ static int simulate(Work *w, const Params *p, double thr, const Heap *start, int
     }
     /* A CTA is busy from W = 0 until its last task ends (dispatch never idles while tasks are
      * queued), so k(W) = K - #CTAs released by W: the final bins are the whole time map. */
-    i64 nr = 0;
-    while (!heap_empty(bins)) {  /* popping empties the heap in increasing W, equal W merged */
-        Bin b = heap_pop_merged(bins);
-        w->rel[nr++] = b;
-    }
+    i64 nr = sorted_bins(bins, w->rel);
     i64 nx = 0, k = K;
     w->X[0] = 0.0;
     w->T[0] = 0.0;
@@ -236,6 +283,18 @@ static int simulate(Work *w, const Params *p, double thr, const Heap *start, int
     for (i64 s = 0; s < S; s++)
         w->ready[s] = w->seq_w[s] >= 0.0 ? tmap(w, nx, w->seq_w[s]) : NAN;
     double end = aend;
+    if (w->nr && thr < INFINITY) {
+        /* Every reduction starts no earlier than its inputs are ready (st = max(free, ready)),
+         * so ready + cost bounds its end from below, in floating point too (rounding is
+         * monotonic). In a decode step this bound is usually the score itself: a candidate
+         * that cannot win is then rejected without simulating the warp queue. */
+        double lb = aend;
+        for (i64 u = 0; u < w->nr; u++) {
+            double e = w->ready[w->rseq[u]] + w->rcost[u];
+            if (e > lb) lb = e;
+        }
+        if (lb >= thr) { *score = lb; return -1; }
+    }
     if (w->nr) {
         Heap *wb = &w->warps;
         heap_clear(wb);
@@ -287,6 +346,10 @@ typedef struct {
     double *seqcost, *per; i64 *sidx, *epoch, *hidx, *last;
     double *hcost; i64 *hcount, *hseq; i64 nh;
     i64 evaluations;
+    /* run_size tables: candidate runs (descending, distinct) and ceil(v_i / run) per sequence */
+    i64 runs[5]; int nruns;
+    i64 *run_tasks, *merge_tasks;  /* (S, 5), (S) */
+    i64 *cs, *cq, *cr;  /* per sequence: splits last seen (0: none) and n / s, n % s */
 } Scorer;
 
 typedef struct {
@@ -352,6 +415,26 @@ static int scorer_init(Scorer *sc, i64 S, const i64 *tiles, const i64 *qtiles, c
     sc->hcount = xcalloc(2 * S, sizeof(i64));
     sc->hseq = xcalloc(2 * S, sizeof(i64));
     (void)limits;
+    {
+        i64 cand[5] = {1, hq, 2 * hq, 4 * hq, 8 * hq < 32 ? 8 * hq : 32};
+        for (int a = 0; a < 5; a++)  /* descending, duplicates dropped */
+            for (int b = a + 1; b < 5; b++)
+                if (cand[b] > cand[a]) { i64 t = cand[a]; cand[a] = cand[b]; cand[b] = t; }
+        sc->nruns = 0;
+        for (int c = 0; c < 5; c++)
+            if (!sc->nruns || cand[c] != sc->runs[sc->nruns - 1]) sc->runs[sc->nruns++] = cand[c];
+        sc->run_tasks = xcalloc(5 * S, sizeof(i64));
+        sc->merge_tasks = xcalloc(S, sizeof(i64));
+        sc->cs = xcalloc(S, sizeof(i64));
+        sc->cq = xcalloc(S, sizeof(i64));
+        sc->cr = xcalloc(S, sizeof(i64));
+        if (!sc->run_tasks || !sc->merge_tasks || !sc->cs || !sc->cq || !sc->cr) return 0;
+        for (i64 i = 0; i < S; i++) {
+            for (int c = 0; c < sc->nruns; c++)
+                sc->run_tasks[5 * i + c] = (vectors[i] + sc->runs[c] - 1) / sc->runs[c];
+            sc->merge_tasks[i] = (vectors[i] + merge_run - 1) / merge_run;
+        }
+    }
     return sc->ccost && sc->ccount && sc->seqcost && sc->per && sc->sidx && sc->epoch
         && sc->hidx && sc->last && sc->hcost && sc->hcount && sc->hseq;
 }
@@ -359,30 +442,28 @@ static int scorer_init(Scorer *sc, i64 S, const i64 *tiles, const i64 *qtiles, c
 static void scorer_free(Scorer *sc) {
     free(sc->ccost); free(sc->ccount); free(sc->seqcost); free(sc->per); free(sc->sidx);
     free(sc->epoch); free(sc->hidx); free(sc->last); free(sc->hcost); free(sc->hcount);
-    free(sc->hseq); free(sc->chunk_state.a);
+    free(sc->hseq); free(sc->chunk_state.a); free(sc->run_tasks); free(sc->merge_tasks);
+    free(sc->cs); free(sc->cq); free(sc->cr);
     work_free(&sc->w);
 }
 
 static i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }  /* a >= 0, b >= 1 */
 
-/* reduction_run_size: the largest run in {1, hq, 2hq, 4hq, min(8hq, 32)} leaving >= 0.8*12K tasks */
+/* reduction_run_size: the largest run in {1, hq, 2hq, 4hq, min(8hq, 32)} leaving >= 0.8*12K
+ * tasks. The per-sequence task counts ceil(v / run) are tabulated once (scorer_init): the
+ * search calls this for every candidate, and 5 * S integer divisions per call cost more than
+ * the rest of the bookkeeping. Sums are exact integers, so the result is unchanged. */
 static i64 run_size(const Scorer *sc, const i64 *splits) {
-    i64 cand[5] = {1, sc->hq, 2 * sc->hq, 4 * sc->hq, 8 * sc->hq < 32 ? 8 * sc->hq : 32};
-    /* sort descending, unique */
-    for (int a = 0; a < 5; a++)
-        for (int b = a + 1; b < 5; b++)
-            if (cand[b] > cand[a]) { i64 t = cand[a]; cand[a] = cand[b]; cand[b] = t; }
-    double target = 0.8 * (double)sc->p.wpc * (double)sc->p.K;
-    i64 merges = 0;
-    for (i64 i = 0; i < sc->S; i++)
-        if (splits[i] > 1 && sc->tiles[i] > 0) merges += cdiv(sc->vectors[i], sc->merge_run);
-    for (int c = 0; c < 5; c++) {
-        if (c && cand[c] == cand[c - 1]) continue;
-        i64 run = cand[c], tot = merges;
-        for (i64 i = 0; i < sc->S; i++)
-            if (splits[i] == 1 && sc->tiles[i] > 0) tot += cdiv(sc->vectors[i], run);
-        if ((double)tot >= target) return run;
+    i64 tot[5] = {0, 0, 0, 0, 0}, merges = 0;
+    for (i64 i = 0; i < sc->S; i++) {
+        if (sc->tiles[i] <= 0) continue;
+        if (splits[i] > 1) { merges += sc->merge_tasks[i]; continue; }
+        const i64 *t = sc->run_tasks + 5 * i;
+        tot[0] += t[0]; tot[1] += t[1]; tot[2] += t[2]; tot[3] += t[3]; tot[4] += t[4];
     }
+    double target = 0.8 * (double)sc->p.wpc * (double)sc->p.K;
+    for (int c = 0; c < sc->nruns; c++)
+        if ((double)(tot[c] + merges) >= target) return sc->runs[c];
     return 1;
 }
 
@@ -427,7 +508,10 @@ static void details(Scorer *sc, const i64 *splits, Detail *d, double thr) {
         nsplits += s;
         if (n <= 0) continue;
         ntasks += qt * s;
-        i64 q = n / s, rr = n % s;
+        if (sc->cs[i] != s) {  /* candidates change one or two sequences: divide only those */
+            sc->cs[i] = s; sc->cq[i] = n / s; sc->cr[i] = n % s;
+        }
+        i64 q = sc->cq[i], rr = sc->cr[i];
         if (rr) { sc->hcost[sc->nh] = (double)(q + 1) + p->da; sc->hcount[sc->nh] = rr * qt; sc->hseq[sc->nh++] = i; }
         if (s - rr) { sc->hcost[sc->nh] = (double)q + p->da; sc->hcount[sc->nh] = (s - rr) * qt; sc->hseq[sc->nh++] = i; }
     }
@@ -775,12 +859,53 @@ done:
     return res;
 }
 
+/* FA3's num_splits_heuristic (fa3.num_splits_heuristic, the reference): the same float32 and
+ * float64 operations, for the per-step FA3 reference plan without NumPy's per-call overhead.
+ *   fa3_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, size_one_kv_head,
+ *                 is_causal_or_local, max_splits) -> int */
+static PyObject *py_fa3_heuristic(PyObject *self, PyObject *args) {
+    long long total, sms, nnb, nmb, size, maxs;
+    int causal;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "LLLLLpL", &total, &sms, &nnb, &nmb, &size, &causal, &maxs))
+        return NULL;
+    if (total < 0 || sms < 1 || nnb < 0 || nmb < 0 || maxs < 1) {
+        PyErr_SetString(PyExc_ValueError, "fa3_heuristic: total_mblocks, num_n_blocks, "
+                        "num_m_blocks must be >= 0 and num_sms, max_splits >= 1");
+        return NULL;
+    }
+    const long long L2 = 50LL * 1024 * 1024;
+    if ((float)total >= 0.8f * (float)sms) {
+        if (size > L2 && nmb >= sms * 2 && !causal) {
+            long long c = (size + L2 - 1) / L2;
+            return PyLong_FromLongLong(c < maxs ? c : maxs);
+        }
+        return PyLong_FromLong(1);
+    }
+    if (nnb <= 4) return PyLong_FromLong(1);
+    if (sms < maxs) maxs = sms;
+    if (nnb < maxs) maxs = nnb;
+    float max_eff = 0.0f;
+    for (long long k = 1; k <= maxs; k++) {
+        float nw = (float)(total * k) / (float)sms;
+        float eff = nw / ceilf(nw);  /* 0 / 0 = NaN never wins, as in the C++ loop */
+        if (eff > max_eff) max_eff = eff;
+    }
+    for (long long k = 1; k <= maxs; k++) {
+        float nw = (float)(total * k) / (float)sms;
+        float eff = nw / ceilf(nw);
+        if ((double)eff >= 0.85 * (double)max_eff) return PyLong_FromLongLong(k);
+    }
+    return PyLong_FromLong(1);
+}
+
 PyObject *dcp_pack(PyObject *self, PyObject *args);  /* _dcp_pack.c */
 
 static PyMethodDef methods[] = {
     {"simulate", py_simulate, METH_VARARGS, "Bulk critical-wave simulation of a task-group workload."},
     {"pack", dcp_pack, METH_VARARGS, "MegaDCP descriptor packing (megadcp._pack_python)."},
     {"plan", py_plan, METH_VARARGS, "Critical-wave split search (split_search.plan_splits core)."},
+    {"fa3_heuristic", py_fa3_heuristic, METH_VARARGS, "FA3 num_splits_heuristic (fa3.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -80,8 +80,12 @@ def fa3_block_n(head_dim: int = 128, *, causal: bool = False, paged_kv_non_tma: 
 def fa3_static_num_splits(num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, *, num_heads: int,
                           num_heads_k: int = 1, head_dim: int = 128, num_sms: int = 132,
                           block_m: int = 128, block_n: int = 128, is_causal: bool = False,
-                          varlen: bool = True, max_splits: int = 128) -> int:
-    """``get_num_splits`` (``hopper/flash_api.cpp``): the static split count of one FA3 call."""
+                          varlen: bool = True, max_splits: int = 128, heuristic=None) -> int:
+    """``get_num_splits`` (``hopper/flash_api.cpp``): the static split count of one FA3 call.
+
+    ``heuristic``: an implementation of :func:`num_splits_heuristic` with its signature (the
+    planner passes the compiled one, ``_cw_native.fa3_heuristic``); default this module's.
+    """
     if num_heads < 1 or num_heads_k < 1 or num_heads % num_heads_k:
         raise ValueError(f"num_heads={num_heads} must be a positive multiple of num_heads_k={num_heads_k}")
     if max_seqlen_q < 0 or max_seqlen_k < 0 or num_seqs < 1:
@@ -93,8 +97,8 @@ def fa3_static_num_splits(num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, *
     size_one_kv_head = max_seqlen_k * (head_dim + head_dim) * 2
     dynamic = varlen and num_seqs <= PREPARE_VARLEN_MAX_BATCHES
     total_mblocks = (1 if dynamic else num_seqs) * num_heads_k * num_m_blocks
-    return num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks,
-                                size_one_kv_head, is_causal, max_splits)
+    return (heuristic or num_splits_heuristic)(total_mblocks, num_sms, num_n_blocks, num_m_blocks,
+                                               size_one_kv_head, is_causal, max_splits)
 
 
 def fa3_dynamic_splits(n_blocks: Sequence[int], m_blocks: Sequence[int], num_splits_static: int, *,

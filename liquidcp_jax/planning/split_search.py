@@ -22,7 +22,9 @@ the bound (below) is a proven lower bound of the model, so skipping never change
 
 The compiled search (``_cw_native.c``, ``engine="native"``, the default when built) runs
 this same loop and additionally stops a candidate's simulation once its partial score shows
-it cannot win; tests check it returns exactly the plan of the straightforward search
+it cannot win (the attention end, then max over reductions of inputs-ready + cost, then each
+reduction end; all are lower bounds of the score); tests check it returns exactly the plan of
+the straightforward search
 (``engine="python", prune=False``).
 
 Ordering follows §5.2: release-aware LPT for split decode-only plans, FIFO otherwise.
@@ -128,7 +130,8 @@ class _Scorer:
 
 def fa3_reference_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], *, heads: int,
                          num_sms: int, rows_per_tile: int = 128, tile_tokens: int = 128,
-                         history_tokens: Sequence[int] | None = None) -> tuple[int, ...]:
+                         history_tokens: Sequence[int] | None = None,
+                         engine: str = "auto") -> tuple[int, ...]:
     """FA3-derived reference plan: FA3's heuristic with the batch's maximum query length
     (as vLLM's DCP path calls it: ``P * hq`` heads over one KV head, non-causal, varlen),
     with kBlockM = ``rows_per_tile`` and kBlockN = ``tile_tokens``; capped at one tile per split.
@@ -138,13 +141,17 @@ def fa3_reference_splits(history_tiles: Sequence[int], query_tokens: Sequence[in
       query_tokens: ``(S,)`` query tokens.
       heads: gathered query heads per KV head (``P * hq``).
       history_tokens: ``(S,)`` local history tokens; default ``tiles * tile_tokens``.
+      engine: ``"native"`` evaluates FA3's static heuristic in C (same float32 arithmetic;
+        tests compare both), ``"python"`` with NumPy; ``"auto"`` the compiled one when built.
     """
     tiles = np.asarray(history_tiles, dtype=np.int64)
     toks = tiles * tile_tokens if history_tokens is None else np.asarray(history_tokens, np.int64)
     qs = np.asarray(query_tokens, dtype=np.int64)
     static = fa3_static_num_splits(tiles.size, int(qs.max()), int(toks.max()), num_heads=heads,
                                    num_heads_k=1, num_sms=num_sms, block_m=rows_per_tile,
-                                   block_n=tile_tokens)
+                                   block_n=tile_tokens,
+                                   heuristic=(cw._cw_native.fa3_heuristic
+                                              if cw._engine(engine) == "native" else None))
     n_blocks = -(-toks // tile_tokens)
     m_blocks = -(-(qs * heads) // rows_per_tile)
     dyn = np.asarray(fa3_dynamic_splits(n_blocks, m_blocks, static, num_sms=num_sms, num_head=1))
@@ -212,7 +219,7 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
     if fa3_splits is None:
         fa3 = fa3_reference_splits(tiles, qs, heads=heads, num_sms=fa3_num_sms or K,
                                    rows_per_tile=rows_per_tile, tile_tokens=tile_tokens,
-                                   history_tokens=history_tokens)
+                                   history_tokens=history_tokens, engine=eng)
     else:
         fa3 = tuple(cw._int_vector(fa3_splits, "fa3_splits", lo=1, size=S))
         cw._check_splits(tiles, list(fa3))
