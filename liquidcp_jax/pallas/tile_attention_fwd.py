@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,114 @@ class TuningConfig:
   @property
   def task_rows(self) -> int:
     return 2 * self.block_q
+
+
+class StepCtx(NamedTuple):
+  """What every online-softmax step of one warpgroup's KV loop needs (both forward kernels).
+
+  Refs: ``q_smem`` [block_q, D] (this warpgroup's Q rows), ``k_smem`` / ``v_smem`` [slots,
+  block_kv, D] (the KV ring), ``p_smem`` [block_q, block_kv] (interpret-mode staging of P, else
+  None), ring barriers ``k_bar`` / ``v_bar`` (loaded) and ``k_used`` / ``v_used`` (consumed), the
+  ping-pong barrier ``sched``. Task scalars: ``r0`` (first row of this warpgroup in the task tile),
+  ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``. ``slot_of(i)``
+  maps the task's tile ``i`` to its ring slot (the persistent kernel's ring runs across tasks).
+  """
+  q_smem: Any
+  k_smem: Any
+  v_smem: Any
+  p_smem: Any
+  k_bar: Any
+  v_bar: Any
+  k_used: Any
+  v_used: Any
+  sched: Any
+  r0: Any
+  kv_lo: Any
+  kv_hi: Any
+  diag: Any
+  n_tiles: Any
+  slot_of: Callable[[Any], Any]
+  bq: int
+  bkv: int
+  d: int
+  dtype: Any
+  causal: bool
+  scale2: float
+  interpret: bool
+
+
+def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
+                 after_qk: Callable[[], None] | None = None):
+  """One KV tile ``j`` of the online softmax: S = Q K^T (ping-ponged with the other warpgroup),
+  mask, rescale, P V. carry = (acc [bq, D] f32, m_i [bq] (log2 units), l_i [bq]); returns the new
+  carry. ``after_qk`` runs once K of this tile is released (the persistent kernel frees Q there)."""
+  acc, m_i, l_i = carry
+  bq, bkv = cx.bq, cx.bkv
+  slot = cx.slot_of(j)
+
+  def sched_sync():
+    plgpu.barrier_arrive(cx.sched)
+    plgpu.barrier_wait(cx.sched)
+
+  def qk_scope(s_ref):
+    plgpu.wgmma(s_ref, cx.q_smem, cx.k_smem.at[slot].transpose((1, 0)))
+    sched_sync()
+    return s_ref[...]
+
+  s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
+  plgpu.barrier_arrive(cx.k_used.at[slot])
+  if after_qk is not None:
+    after_qk()
+  s = s * cx.scale2  # log2 units: p = exp2(s - m)
+  if masked:
+    rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + cx.r0
+    kk = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
+    ok = (kk >= cx.kv_lo) & (kk < cx.kv_hi)
+    if cx.causal:
+      ok = ok & (kk <= rr + cx.diag)
+    s = jnp.where(ok, s, -jnp.inf)
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  if masked:
+    # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid NaN.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  else:
+    m_use = m_new
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  l_i = l_i * alpha + p.sum(axis=1)
+  p16 = p.astype(cx.dtype)
+  acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+  plgpu.barrier_arrive(cx.sched)
+  plgpu.barrier_wait(cx.v_bar.at[slot])
+  plgpu.barrier_wait(cx.sched)
+
+  def prefetch_wait():
+    nxt = j + 1
+
+    @pl.when(nxt < cx.n_tiles)
+    def _():
+      plgpu.barrier_wait(cx.k_bar.at[cx.slot_of(nxt)])
+
+  if cx.interpret:
+    # The CPU interpreter has no register-LHS wgmma nor run_state: stage P through SMEM.
+    cx.p_smem[...] = p16
+    plgpu.commit_smem()
+
+    def pv_scope(pv_ref):
+      plgpu.wgmma(pv_ref, cx.p_smem, cx.v_smem.at[slot])
+      prefetch_wait()
+      return pv_ref[...]
+
+    acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((bq, cx.d), jnp.float32))
+  else:
+    def pv_state(acc_ref):
+      plgpu.wgmma(acc_ref, p16, cx.v_smem.at[slot])
+      prefetch_wait()
+
+    acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+  plgpu.barrier_arrive(cx.v_used.at[slot])
+  return acc, m_new, l_i
 
 
 def _ladder_store(smem, gref_rows, start, size, max_rows):
@@ -143,68 +252,11 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
 
       pl.when(wg == 1)(sched_sync)
 
-      def step(j, carry, masked):
-        acc, m_i, l_i = carry
-        slot = lax.rem(j, jnp.int32(mcs))
-
-        def qk_scope(s_ref):
-          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          sched_sync()
-          return s_ref[...]
-
-        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_used.at[slot])
-        s = s * scale2  # log2 units: p = exp2(s - m)
-        if masked:
-          rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + r0
-          kk = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
-          ok = (kk >= kv_lo) & (kk < kv_hi)
-          if causal:
-            ok = ok & (kk <= rr + diag)
-          s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        if masked:
-          # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid NaN.
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-          m_use = m_new
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(sched)
-
-        def prefetch_wait():
-          nxt = j + 1
-
-          @pl.when(nxt < n_tiles)
-          def _():
-            plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(mcs))])
-
-        if interpret:
-          # The CPU interpreter has no register-LHS wgmma nor run_state: stage P through SMEM.
-          p_smem = p_smem2.at[wg]
-          p_smem[...] = p16
-          plgpu.commit_smem()
-
-          def pv_scope(pv_ref):
-            plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
-            prefetch_wait()
-            return pv_ref[...]
-
-          acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((bq, d), jnp.float32))
-        else:
-          def pv_state(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            prefetch_wait()
-
-          acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_used.at[slot])
-        return acc, m_new, l_i
+      cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar, v_bar,
+                   k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
+                   lambda i: lax.rem(i, jnp.int32(mcs)), bq, bkv, d, dtype, causal, scale2,
+                   interpret)
+      step = functools.partial(softmax_step, cx)
 
       carry = (acc, m_i, l_i)
       carry = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), carry)

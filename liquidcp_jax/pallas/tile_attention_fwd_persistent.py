@@ -29,7 +29,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tables as tables_lib
-from liquidcp_jax.pallas.tile_attention_fwd import _LN2, _LOG2E, TuningConfig, _ladder_store
+from liquidcp_jax.pallas.tile_attention_fwd import (_LN2, _LOG2E, StepCtx, TuningConfig,
+                                                   _ladder_store, softmax_step)
 
 
 def num_sms(default: int = 132) -> int:
@@ -117,73 +118,17 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
 
           pl.when(wg == 1)(sched_sync)
 
+          cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar,
+                       v_bar, k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
+                       lambda i: lax.rem(c0 + i, jnp.int32(mcs)), bq, bkv, d, dtype, causal,
+                       scale2, interpret)
+
           def step(j, carry, masked):
-            acc, m_i, l_i = carry
-            slot = lax.rem(c0 + j, jnp.int32(mcs))
+            def release_q():
+              # The item's last Q K^T is done: the producer may load the next item's Q.
+              pl.when(j == n_tiles - 1)(lambda: plgpu.barrier_arrive(q_free))
 
-            def qk_scope(s_ref):
-              plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-              sched_sync()
-              return s_ref[...]
-
-            s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_used.at[slot])
-
-            # The item's last Q K^T is done: the producer may load the next item's Q.
-            @pl.when(j == n_tiles - 1)
-            def _():
-              plgpu.barrier_arrive(q_free)
-
-            s = s * scale2  # log2 units: p = exp2(s - m)
-            if masked:
-              rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + r0
-              kk = (plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    + j * bkv)
-              ok = (kk >= kv_lo) & (kk < kv_hi)
-              if causal:
-                ok = ok & (kk <= rr + diag)
-              s = jnp.where(ok, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            if masked:
-              # A row with no visible key so far keeps m = -inf; subtract 0 instead of NaN.
-              m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            else:
-              m_use = m_new
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)
-
-            def prefetch_wait():
-              @pl.when(j + 1 < n_tiles)
-              def _():
-                plgpu.barrier_wait(k_bar.at[lax.rem(c0 + j + 1, jnp.int32(mcs))])
-
-            if interpret:
-              # The CPU interpreter has no register-LHS wgmma nor run_state: stage P in SMEM.
-              p_smem = p_smem2.at[wg]
-              p_smem[...] = p16
-              plgpu.commit_smem()
-
-              def pv_scope(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
-                prefetch_wait()
-                return pv_ref[...]
-
-              acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((bq, d), jnp.float32))
-            else:
-              def pv_state(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                prefetch_wait()
-
-              acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_used.at[slot])
-            return acc, m_new, l_i
+            return softmax_step(cx, j, carry, masked=masked, after_qk=release_q)
 
           carry = (acc, m_i, l_i)
           carry = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), carry)
