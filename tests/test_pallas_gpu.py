@@ -114,7 +114,13 @@ def test_backward_configs_match_float64(cfg, case, causal):
   do = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), q.dtype)
   out, lse = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale))(
       q, k, v, qs, ks, ln, n)
-  config = bwd_ref.BwdTuningConfig(**cfg)
+  _check_pallas_bwd(bwd_ref.BwdTuningConfig(**cfg), q, k, v, out, lse, do, qs, ks, ln, n,
+                    causal=causal, scale=scale)
+
+
+def _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, *, causal, scale):
+  """Runs the Pallas backward under ``config`` (a NaN-poisoned call first) and compares dq, dk, dv
+  with the float64 reference."""
   f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=causal, sm_scale=scale,
                                                           config=config))
   jax.block_until_ready(f(q, k, v, out, lse, do * jnp.nan, qs, ks, ln, n))  # poison
@@ -122,8 +128,8 @@ def test_backward_configs_match_float64(cfg, case, causal):
   z = np.zeros_like(ln)
   refs = bwd_ref.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, n, causal=causal,
                                          sm_scale=scale)
-  for a, b in zip(grads, refs):
-    assert _rel(a, b) < 2e-2
+  for name, a, b in zip(("dq", "dk", "dv"), grads, refs):
+    assert _rel(a, b) < 2e-2, name
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -140,12 +146,4 @@ def test_fused_backward_gqa_packed(causal, mode, d):
       q, k, v, qs, ks, ln, n)
   config = (bwd_ref.BwdTuningConfig(fused=False) if mode == "off"
             else bwd_ref.BwdTuningConfig(fused=True, fused_split=mode))
-  f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=causal, sm_scale=scale,
-                                                          config=config))
-  jax.block_until_ready(f(q, k, v, out, lse, do * jnp.nan, qs, ks, ln, n))  # poison
-  grads = f(q, k, v, out, lse, do, qs, ks, ln, n)
-  z = np.zeros_like(ln)
-  refs = bwd_ref.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, n, causal=causal,
-                                         sm_scale=scale)
-  for name, a, b in zip(("dq", "dk", "dv"), grads, refs):
-    assert _rel(a, b) < 2e-2, name
+  _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, causal=causal, scale=scale)

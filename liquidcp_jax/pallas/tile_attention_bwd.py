@@ -63,7 +63,7 @@ from jax import lax  # noqa: E402
 import jax.experimental.pallas as pl  # noqa: E402
 import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 
-from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store  # noqa: E402
+from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store, masked_split_loop  # noqa: E402
 
 _LOG2E = math.log2(math.e)
 
@@ -212,6 +212,57 @@ def _check_smem(kind, config, head_dim, itemsize):
         f"max_concurrent_steps")
 
 
+def reverse_task_scalars(tab):
+  """This CTA's task of a reverse table (grid ("heads", "tasks"), thread axis "wg"): (KV head,
+  warpgroup, field getter, t_lo, n_tiles, nt = n_tiles - t_lo query tiles, row_base of its 128
+  keys, col_base of its query tiles)."""
+  from liquidcp_jax.pallas.tables import F, ROW_ALIGN
+  kvh = lax.axis_index("heads")
+  task = lax.axis_index("tasks")
+  wg = lax.axis_index("wg")
+  get = lambda n: tab[task, F[n]]
+  t_lo, n_tiles = get("t_lo"), get("n_tiles")
+  nt = n_tiles - t_lo
+  row_base = pl.multiple_of(get("q_base"), ROW_ALIGN)
+  col_base = pl.multiple_of(get("kv_base"), ROW_ALIGN)
+  return kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base
+
+
+def stream_query_tiles(srcs, dsts, bars, used, *, kvh, group, t_lo, nt, col_base, bc, mcs):
+  """Producer of the dK/dV-side kernels: streams, for every q head of KV head ``kvh`` and every
+  query tile ``t_lo .. t_lo + nt - 1`` of the task, the Q, LSE, dO and delta tiles into a ring of
+  ``mcs`` SMEM slots, waiting on ``used`` (two arrivals: both compute warpgroups) before reusing a
+  slot, and finally observes the last releases so every barrier phase is seen before teardown.
+
+  srcs: GMEM refs (q [Tq, Hq, D], lse2 [Hq, Tq], do [Tq, Hq, D], delta [Hq, Tq]); dsts: the SMEM
+  rings ([mcs, bc, D] / [mcs, bc]); bars: their "loaded" barriers, in the same order.
+  """
+  total = group * nt
+
+  def issue(c, slot):
+    g = lax.div(c, jnp.maximum(nt, 1))
+    j = t_lo + c - g * nt
+    qh = kvh * group + g
+    cols = pl.ds(col_base + j * bc, bc)
+    for src, dst, bar in zip(srcs, dsts, bars):
+      rows_first = len(src.shape) == 3  # [T, H, D] tiles vs [H, T] rows
+      plgpu.copy_gmem_to_smem(src.at[cols, qh] if rows_first else src.at[qh, cols], dst.at[slot],
+                              bar.at[slot])
+
+  for i in range(mcs):
+    pl.when(i < total)(functools.partial(issue, jnp.int32(i), i))
+
+  @pl.loop(mcs, jnp.maximum(total, mcs))
+  def _(c):
+    slot = lax.rem(c, jnp.int32(mcs))
+    plgpu.barrier_wait(used.at[slot])
+    issue(c, slot)
+
+  @pl.loop(jnp.maximum(total - mcs, 0), total)
+  def _(c):
+    plgpu.barrier_wait(used.at[lax.rem(c, jnp.int32(mcs))])
+
+
 def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale,
                    config: BwdTuningConfig, interpret=False):
   """dQ. q/do: [Tq, Hq, D], k/v: [Tk, Hkv, D], lse2/delta: f32 [Hq, Tq] (lse2 = lse*log2(e),
@@ -280,9 +331,7 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
         plgpu.barrier_arrive(k_used.at[slot])
         return dq
 
-      dq = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), dq)
-      dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-      dq = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True), dq)
+      dq = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, dq)
       o_s = o_s2.at[wg]
       o_s[...] = (dq * sm_scale).astype(dtype)
       plgpu.commit_smem()
@@ -359,18 +408,10 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
   bc, mcs = config.block_q_dkv, config.max_concurrent_steps
   scale2 = float(sm_scale) * _LOG2E
   _check_smem("dkv", config, d, jnp.dtype(dtype).itemsize)
-  from liquidcp_jax.pallas.tables import F, ROW_ALIGN
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, sc):
     (k_s2, v_s2, q_s, do_s, lse_s, dl_s, ok_s2, ov_s2, st_s2), in_bars, bars, used = sc
-    kvh = lax.axis_index("heads")
-    task = lax.axis_index("tasks")
-    wg = lax.axis_index("wg")
-    get = lambda n: tab[task, F[n]]
-    t_lo, n_tiles = get("t_lo"), get("n_tiles")
-    nt = n_tiles - t_lo
-    row_base = pl.multiple_of(get("q_base"), ROW_ALIGN)
-    col_base = pl.multiple_of(get("kv_base"), ROW_ALIGN)
+    kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = reverse_task_scalars(tab)
 
     @pl.when(wg < 2)
     def _compute():
@@ -422,9 +463,8 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
         return dk, dv
 
       def head_body(g, carry):
-        carry = lax.fori_loop(t_lo, full_lo, functools.partial(step, g, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g, masked=False), carry)
-        return lax.fori_loop(full_hi, n_tiles, functools.partial(step, g, masked=True), carry)
+        return masked_split_loop(functools.partial(step, g), t_lo, full_lo, full_hi, n_tiles,
+                                 carry)
 
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
       ok_s, ov_s = ok_s2.at[wg], ov_s2.at[wg]
@@ -442,31 +482,11 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      total = group * nt
-
-      def issue(c, slot):
-        g = lax.div(c, jnp.maximum(nt, 1))
-        j = t_lo + c - g * nt
-        qh = kvh * group + g
-        cols = pl.ds(col_base + j * bc, bc)
-        q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
-        plgpu.copy_gmem_to_smem(q_ref.at[cols, qh], q_s.at[slot], q_bar)
-        plgpu.copy_gmem_to_smem(lse_ref.at[qh, cols], lse_s.at[slot], lse_bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[cols, qh], do_s.at[slot], do_bar)
-        plgpu.copy_gmem_to_smem(dl_ref.at[qh, cols], dl_s.at[slot], dl_bar)
-
-      for i in range(mcs):
-        pl.when(i < total)(functools.partial(issue, jnp.int32(i), i))
-
-      @pl.loop(mcs, jnp.maximum(total, mcs))
-      def _(c):
-        slot = lax.rem(c, jnp.int32(mcs))
-        plgpu.barrier_wait(used.at[slot])
-        issue(c, slot)
-
-      @pl.loop(jnp.maximum(total - mcs, 0), total)
-      def _(c):
-        plgpu.barrier_wait(used.at[lax.rem(c, jnp.int32(mcs))])
+      q_bar, do_bar, lse_bar, dl_bar = bars
+      stream_query_tiles((q_ref, lse_ref, do_ref, dl_ref), (q_s, lse_s, do_s, dl_s),
+                         (q_bar, lse_bar, do_bar, dl_bar), used,
+                         kvh=kvh, group=group, t_lo=t_lo, nt=nt, col_base=col_base, bc=bc,
+                         mcs=mcs)
 
   def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref):
     scratch = [

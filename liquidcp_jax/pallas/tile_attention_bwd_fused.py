@@ -34,7 +34,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
-from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store
+from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store, masked_split_loop
 
 _ROWS = bwd_lib._ROWS
 _TF = bwd_lib._TF
@@ -88,19 +88,11 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   pair = config.fused_split == "pair"
   half = d // 2 if pair else d  # dQ columns per warpgroup
   scale2 = float(sm_scale) * bwd_lib._LOG2E
-  from liquidcp_jax.pallas.tables import F, ROW_ALIGN
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
     (k_s, v_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, o_s), kv_bar, bars, used, ds_bars = sc
     ds_ready, ds_free = ds_bars
-    kvh = lax.axis_index("heads")
-    task = lax.axis_index("tasks")
-    wg = lax.axis_index("wg")
-    get = lambda n: tab[task, F[n]]
-    t_lo, n_tiles = get("t_lo"), get("n_tiles")
-    nt = n_tiles - t_lo
-    row_base = pl.multiple_of(get("q_base"), ROW_ALIGN)
-    col_base = pl.multiple_of(get("kv_base"), ROW_ALIGN)
+    kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = bwd_lib.reverse_task_scalars(tab)
 
     def compute(w):
       # w is static so that the D/2 column slice of K below is static.
@@ -180,9 +172,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         return dk, dv
 
       def head_body(g, carry):
-        carry = lax.fori_loop(t_lo, full_lo, functools.partial(step, g, masked=True), carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g, masked=False), carry)
-        return lax.fori_loop(full_hi, n_tiles, functools.partial(step, g, masked=True), carry)
+        return masked_split_loop(functools.partial(step, g), t_lo, full_lo, full_hi, n_tiles,
+                                 carry)
 
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
       lo = jnp.clip(q_lo - r0, 0, _ROWS)
@@ -209,31 +200,9 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       rows = pl.ds(row_base, 2 * _ROWS)
       plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_s, kv_bar.at[0])
       plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_s, kv_bar.at[1])
-      total = group * nt
-
-      def issue(c, slot):
-        g = lax.div(c, jnp.maximum(nt, 1))
-        j = t_lo + c - g * nt
-        qh = kvh * group + g
-        cols = pl.ds(col_base + j * bc, bc)
-        q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
-        plgpu.copy_gmem_to_smem(q_ref.at[cols, qh], q_s.at[slot], q_bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[cols, qh], do_s.at[slot], do_bar)
-        plgpu.copy_gmem_to_smem(lse_ref.at[qh, cols], lse_s.at[slot], lse_bar)
-        plgpu.copy_gmem_to_smem(dl_ref.at[qh, cols], dl_s.at[slot], dl_bar)
-
-      for i in range(mcs):
-        pl.when(i < total)(functools.partial(issue, jnp.int32(i), i))
-
-      @pl.loop(mcs, jnp.maximum(total, mcs))
-      def _(c):
-        slot = lax.rem(c, jnp.int32(mcs))
-        plgpu.barrier_wait(used.at[slot])
-        issue(c, slot)
-
-      @pl.loop(jnp.maximum(total - mcs, 0), total)
-      def _(c):
-        plgpu.barrier_wait(used.at[lax.rem(c, jnp.int32(mcs))])
+      bwd_lib.stream_query_tiles((q_ref, do_ref, lse_ref, dl_ref), (q_s, do_s, lse_s, dl_s), bars,
+                                 used, kvh=kvh, group=group, t_lo=t_lo, nt=nt, col_base=col_base,
+                                 bc=bc, mcs=mcs)
 
   def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref):
     scratch = [

@@ -182,6 +182,14 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   return acc, m_new, l_i
 
 
+def masked_split_loop(step, lo, full_lo, full_hi, hi, carry):
+  """Runs ``step(j, carry, masked=...)`` over tiles ``lo .. hi - 1``: the table's unmasked range
+  ``[full_lo, full_hi)`` without the mask, the tiles before and after it with the mask."""
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
 def _ladder_store(smem, gref_rows, start, size, max_rows):
   """Stores smem rows [start, start+size) to gref_rows(row0, n) using power-of-two TMA boxes."""
   n = 1 << int(math.log2(max_rows))
@@ -259,9 +267,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       step = functools.partial(softmax_step, cx)
 
       carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), carry)
-      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-      acc, m_i, l_i = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True), carry)
+      acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
       pl.when(wg == 0)(sched_sync)
 
       empty = l_i == 0.0

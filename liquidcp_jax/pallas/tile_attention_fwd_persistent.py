@@ -20,7 +20,6 @@ decreasing work list within about one item of each other.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.tile_attention_fwd import (_LN2, _LOG2E, StepCtx, TuningConfig,
-                                                   _ladder_store, softmax_step)
+                                                   _ladder_store, masked_split_loop,
+                                                   softmax_step)
 
 
 def num_sms(default: int = 132) -> int:
@@ -131,10 +131,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
             return softmax_step(cx, j, carry, masked=masked, after_qk=release_q)
 
           carry = (acc, m_i, l_i)
-          carry = lax.fori_loop(0, full_lo, functools.partial(step, masked=True), carry)
-          carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-          acc, m_i, l_i = lax.fori_loop(full_hi, n_tiles, functools.partial(step, masked=True),
-                                        carry)
+          acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
           pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # gap task: no Q K^T
           pl.when(wg == 0)(sched_sync)
 
