@@ -1,6 +1,6 @@
 # One H200 call: the whole GPU test suite (-m gpu), 4 pytest-xdist workers sharing the GPU
 # (compiles are CPU-bound; no preallocation so the workers fit). pytest-xdist/execnet are pure
-# Python, carried under .whl/extra: mkdir -p .whl/extra && cp -r .venv/lib/python3.*/site-packages/{execnet,xdist}* .whl/extra/
+# Python, carried under .whl/extra: mkdir -p .whl/extra && cp -r .venv/lib/python3.*/site-packages/{execnet,xdist,pytest_xdist}* .whl/extra/
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
