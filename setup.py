@@ -5,9 +5,13 @@ runs its pure-Python reference (``liquidcp_jax.planning.critical_wave.native_ava
 """
 from setuptools import Extension, setup
 
+_DIR = "liquidcp_jax/planning/"
+
 setup(ext_modules=[Extension(
     "liquidcp_jax.planning._cw_native",
-    sources=["liquidcp_jax/planning/_cw_native.c", "liquidcp_jax/planning/_dcp_pack.c"],
+    sources=[_DIR + f for f in ("_cw_native.c", "_cw_sim.c", "_cw_search.c", "_cw_step.c",
+                                "_dcp_pack.c")],
+    depends=[_DIR + "_cw_core.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,
 )])

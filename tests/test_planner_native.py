@@ -85,3 +85,75 @@ def test_benchmark_shaped_plans_equal_straightforward_search(P, mixed, seed):
     # The same plan is what build_tables selects (its chunk tasks are these).
     tb = md.build_tables(hist, q, P, 4, params=params, engine="native")
     assert tb.plan.splits == ref.splits and tb.plan.score == ref.score
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_incremental_queue_order_equals_straightforward_search(data):
+    # The compiled scorer re-places only the changed sequences in the release-aware order,
+    # recomputes epochs only between their old and new ranks, and resumes each candidate's
+    # simulation from the incumbent's saved queue state. Decode-only batches with 1-3 query
+    # blocks per request, few CTAs (many splits, many iterations) and several DCP degrees
+    # exercise those paths (decode_max_query=48: 17-48-token requests count as decode, so
+    # the release-aware order sees several blocks per request; a long one makes it mixed);
+    # the plan must be the straightforward Python search's.
+    S = data.draw(st.integers(10, 32))
+    tiles = data.draw(st.lists(st.integers(0, 300), min_size=S, max_size=S))
+    if data.draw(st.booleans()):  # many equal sequences: large joint (tied) candidates
+        tiles = [tiles[0]] * (S // 2) + tiles[S // 2:]
+    qs = data.draw(st.lists(st.sampled_from([1, 16, 16, 17, 32, 48]), min_size=S, max_size=S))
+    if data.draw(st.integers(0, 4)) == 0:
+        qs[-1] = 300
+    params = cw.Params(num_ctas=data.draw(st.integers(4, 24)), rho=data.draw(st.floats(0.3, 1.0)),
+                       delta_attn=data.draw(st.integers(0, 12)), delta_red=2.5, gamma=0.47,
+                       warps_per_cta=4)
+    kw = dict(vectors=data.draw(st.lists(st.integers(1, 64), min_size=S, max_size=S)),
+              chunk_tiles=data.draw(st.lists(st.integers(1, 4), max_size=S)),
+              hq=data.draw(st.integers(1, 4)), dcp=data.draw(st.sampled_from([1, 2, 4, 8])),
+              num_comm_ctas=data.draw(st.integers(1, 16)), min_decode_limit=6,
+              decode_max_query=48)
+    ref = cw.plan_splits(tiles, qs, params, engine="python", prune=False, **kw)
+    got = cw.plan_splits(tiles, qs, params, engine="native", **kw)
+    strip = lambda p: dataclasses.replace(p, evaluations=0)  # noqa: E731
+    assert strip(got) == strip(ref)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_native_queue_dispatch_equals_python_on_raw_workloads(data):
+    # The compiled CTA queue (sorted bins: per-task insertion for small groups, a merged run
+    # with whole-round steps for large ones) against the reference heap, on workloads built
+    # directly: zero and fractional costs (equal free times that must merge), groups of
+    # 1-400 tasks, up to 40 CTAs, sequences split over several groups in any order.
+    S = data.draw(st.integers(1, 6))
+    K = data.draw(st.integers(1, 40))
+    cost = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 33.0]), st.floats(0.0, 50.0))
+    attn = tuple((data.draw(cost), data.draw(st.integers(1, 400)),
+                  data.draw(st.integers(-1, S - 1)), 1)
+                 for _ in range(data.draw(st.integers(1, 12))))
+    seqs = sorted({g[2] for g in attn if g[2] >= 0})
+    red = tuple((s, data.draw(st.integers(1, 300)), data.draw(st.floats(0.0, 5.0)), 1)
+                for s in seqs for _ in range(data.draw(st.integers(1, 2))))
+    params = cw.Params(num_ctas=K, rho=data.draw(st.floats(0.1, 1.0)), delta_attn=32,
+                       delta_red=2.5, gamma=0.47, warps_per_cta=data.draw(st.integers(1, 4)))
+    wl = cw._Workload(attn=attn, red=red, num_seqs=S)
+    assert cw._simulate_bulk(wl, params, "native") == cw._simulate_bulk(wl, params, "python")
+
+
+@pytest.mark.parametrize("P,mixed,seed", [(2, False, 10), (2, True, 11), (4, True, 12), (8, True, 13)])
+def test_one_call_step_equals_python_tables(P, mixed, seed):
+    # build_tables' default compiled path (_cw_native.step: shard lengths, chunk tiles, the
+    # FA3 reference, limits, search and packing in one call) against the NumPy/Python path,
+    # field by field, on benchmark-shaped steps.
+    hist, q = _batch(np.random.default_rng(seed), mixed)
+    a = md.build_tables(hist, q, P, 4, engine="native")
+    b = md.build_tables(hist, q, P, 4, engine="python")
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "plan":
+            x, y = dataclasses.replace(x, evaluations=0), dataclasses.replace(y, evaluations=0)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype == np.int32 and x.shape == y.shape, f.name
+            assert np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name

@@ -56,6 +56,10 @@ static int cmp_keyidx(const void *a, const void *b) {
     return (x->i > y->i) - (x->i < y->i);
 }
 
+PyObject *pack_core(const i64 *q, const i64 *t0, const i64 *s, const i64 *local, const i64 *ep,
+                    i64 S, i64 P, i64 H, i64 qtt, i64 cqt, i64 tile, int lpt, i64 copy_run,
+                    i64 merge_run, i64 per_epoch, double da, PyObject *alloc, i64 *num_epochs);
+
 PyObject *dcp_pack(PyObject *self, PyObject *args) {
     PyObject *o_q, *o_t0, *o_s, *o_local, *o_ep, *alloc;
     long long P, H, qtt, cqt, tile, copy_run, merge_run, per_epoch;
@@ -65,20 +69,39 @@ PyObject *dcp_pack(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOLLLLLpOLLLdO", &o_q, &o_t0, &o_s, &o_local, &P, &H, &qtt, &cqt,
                           &tile, &lpt, &o_ep, &copy_run, &merge_run, &per_epoch, &da, &alloc))
         return NULL;
-    i64 S = 0, n = 0;
-    i64 *q = NULL, *t0 = NULL, *s = NULL, *local = NULL, *ep = NULL, *qt = NULL, *first = NULL;
-    i64 *pos = NULL, *last = NULL;
-    HGroup *hg = NULL;
-    KeyIdx *ki = NULL;
+    i64 S = 0, n = 0, num_epochs = 0;
+    i64 *q = NULL, *t0 = NULL, *s = NULL, *local = NULL, *ep = NULL;
     PyObject *arrays = NULL, *res = NULL;
-    Py_buffer buf[NFIELDS];
-    int nbuf = 0;
     if (!(q = pk_vec(o_q, &S))) goto done;
     if (!(t0 = pk_vec(o_t0, &n)) || n != S) goto bad;
     if (!(s = pk_vec(o_s, &n)) || n != S) goto bad;
     if (!(local = pk_vec(o_local, &n)) || n != P * S) goto bad;
     if (lpt && (!(ep = pk_vec(o_ep, &n)) || n != S)) goto bad;
-    if (P < 1 || H < 1 || qtt < 1 || cqt < 1 || tile < 1 || copy_run < 1 || merge_run < 1
+    arrays = pack_core(q, t0, s, local, ep, S, P, H, qtt, cqt, tile, lpt, copy_run, merge_run,
+                       per_epoch, da, alloc, &num_epochs);
+    if (arrays) res = PyLong_FromLongLong(num_epochs);
+    goto done;
+bad:
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_cw_native.pack: inconsistent inputs");
+done:
+    Py_XDECREF(arrays);
+    free(q); free(t0); free(s); free(local); free(ep);
+    return res;
+}
+
+/* The packing itself: calls alloc((C, T, U, I, F, B)) for a tuple of >= 27 zeroed int32
+ * arrays (the first 27 in megadcp._PACK_FIELDS order) and fills them. Returns that tuple
+ * (new reference) with *num_epochs, or NULL with an exception set. */
+PyObject *pack_core(const i64 *q, const i64 *t0, const i64 *s, const i64 *local, const i64 *ep,
+                    i64 S, i64 P, i64 H, i64 qtt, i64 cqt, i64 tile, int lpt, i64 copy_run,
+                    i64 merge_run, i64 per_epoch, double da, PyObject *alloc, i64 *num_epochs) {
+    i64 *qt = NULL, *first = NULL, *pos = NULL, *last = NULL;
+    HGroup *hg = NULL;
+    KeyIdx *ki = NULL;
+    PyObject *arrays = NULL, *res = NULL;
+    Py_buffer buf[NFIELDS];
+    int nbuf = 0;
+    if (S < 0 || P < 1 || H < 1 || qtt < 1 || cqt < 1 || tile < 1 || copy_run < 1 || merge_run < 1
         || per_epoch < 1) goto bad;
     qt = calloc(S + 1, sizeof(i64));
     first = calloc(S + 1, sizeof(i64));
@@ -108,7 +131,7 @@ PyObject *dcp_pack(PyObject *self, PyObject *args) {
     arrays = PyObject_CallFunction(alloc, "((LLLLLL))", (long long)C, (long long)T, (long long)U,
                                    (long long)T, (long long)F, (long long)F);
     if (!arrays) goto done;
-    if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != NFIELDS) goto bad;
+    if (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) < NFIELDS) goto bad;
     int32_t *A[NFIELDS];
     i64 cap[NFIELDS];
     for (int f = 0; f < NFIELDS; f++) {
@@ -204,14 +227,15 @@ PyObject *dcp_pack(PyObject *self, PyObject *args) {
             A[26][row] = (int32_t)(row / per_epoch);
         }
     }
-    res = PyLong_FromLongLong(F ? (F - 1) / per_epoch + 1 : 0);
+    *num_epochs = F ? (F - 1) / per_epoch + 1 : 0;
+    res = arrays;
+    arrays = NULL;
     goto done;
 bad:
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_cw_native.pack: inconsistent inputs");
 done:
     for (int f = 0; f < nbuf; f++) PyBuffer_Release(&buf[f]);
     Py_XDECREF(arrays);
-    free(q); free(t0); free(s); free(local); free(ep); free(qt); free(first); free(pos);
-    free(last); free(hg); free(ki);
+    free(qt); free(first); free(pos); free(last); free(hg); free(ki);
     return res;
 }

@@ -27,10 +27,10 @@ that free at the same instant (a decode step with prefill chunks has thousands o
 query-tile tasks). ``return_timeline=True`` runs a per-task, per-CTA, per-warp version of the
 same model (its time map built from every task's start and end); tests check both agree.
 
-The bulk path exists twice: in Python (the reference) and in C (``_cw_native.c``, built as
-a CPython extension at install, with the split search of ``split_search``); both perform the
-same floating-point operations in the same order and tests assert equal results. Without
-the extension (a plain source tree) everything runs in Python.
+The bulk path exists twice: in Python (the reference) and in C (the extension ``_cw_native``,
+built at install from ``_cw_sim.c`` with the split search ``_cw_search.c``); both perform the
+same floating-point operations and tests assert equal results. Without the extension (a plain
+source tree) everything runs in Python.
 
 Splits of a history of ``n`` tiles into ``s`` parts are balanced: ``n % s`` parts of
 ``n // s + 1`` tiles first, then parts of ``n // s`` (never empty; FA3 instead uses
@@ -201,6 +201,11 @@ class Timeline:
 # ----------------------------------------------------------------------------------------------
 
 def _int_vector(x, name: str, *, lo: int, size: int | None = None) -> list[int]:
+    return _int_array(x, name, lo=lo, size=size).tolist()
+
+
+def _int_array(x, name: str, *, lo: int, size: int | None = None) -> np.ndarray:
+    """``x`` checked as a 1-D vector of integers ``>= lo`` (``size`` entries when given), as int64."""
     arr = np.asarray(x)
     if arr.ndim != 1 or (size is None and arr.size == 0):
         raise ValueError(f"{name} must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
@@ -216,7 +221,7 @@ def _int_vector(x, name: str, *, lo: int, size: int | None = None) -> list[int]:
         if low.any():  # vectorized: this runs on every planner call
             i = int(np.argmax(low))
             raise ValueError(f"{name}[{i}] = {int(arr[i])}; expected every entry >= {lo}")
-    return arr.astype(np.int64).tolist()
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
 def split_sizes(n: int, s: int) -> tuple[tuple[int, int], ...]:

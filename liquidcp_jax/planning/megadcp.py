@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from liquidcp_jax.planning import critical_wave as cw
+from liquidcp_jax.planning import split_search as ss
 from liquidcp_jax.planning.split_search import QUERY_BLOCK, SplitPlan, plan_splits
 
 
@@ -214,10 +215,17 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
         if isinstance(v, bool) or int(v) != v or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     eng = cw._engine(engine)
-    hist = np.asarray(cw._int_vector(history_lengths, "history_lengths", lo=0), dtype=np.int64)
+    hist = cw._int_array(history_lengths, "history_lengths", lo=0)
     S = hist.size
-    qlen = np.asarray(cw._int_vector(query_lengths, "query_lengths", lo=1, size=S), dtype=np.int64)
+    qlen = cw._int_array(query_lengths, "query_lengths", lo=1, size=S)
     params = cw.Params.h100() if params is None else params
+    if not isinstance(params, cw.Params):
+        raise ValueError(f"params must be a critical_wave.Params, got {type(params).__name__}")
+    caps = dict(capacities or {})
+    cap = lambda key, n: bucket(max(n, int(caps.get(key, 0))), min_capacity)  # noqa: E731
+    if eng == "native" and splits is None:
+        return _build_native(hist, qlen, int(dcp), int(hq), int(tile), int(rows_per_tile),
+                             int(num_comm_ctas), int(merge_run), params, cap)
     P, H = int(dcp), int(dcp) * int(hq)
     local = local_history_lengths(hist, P)
     tiles0 = -(-local[0] // tile)
@@ -228,15 +236,24 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     c_req, c_k = _ranges(c_cnt)
     c_tiles = -(-np.minimum(c_k * cqt + cqt, qlen[c_req]) // tile)
 
-    plan = plan_splits(tiles0.tolist(), qlen.tolist(), params, heads=H,
-                       rows_per_tile=rows_per_tile, vectors=(qlen * H).tolist(),
-                       chunk_tiles=c_tiles.tolist(), hq=hq, merge_run=merge_run,
-                       tile_tokens=tile, history_tokens=local[0].tolist(),
-                       num_comm_ctas=num_comm_ctas, dcp=P, fixed_splits=splits, engine=eng)
+    if splits is None:
+        # plan_splits without re-checking what was derived here from checked inputs (the
+        # same selection).
+        plan = ss._select(tiles0.tolist(), tiles0, qlen, (qlen * H).tolist(), c_tiles.tolist(),
+                          params, heads=H, rows_per_tile=rows_per_tile, hq=int(hq), copy_run=None,
+                          merge_run=int(merge_run), fa3=None, fa3_num_sms=None, tile_tokens=tile,
+                          toks=local[0], num_comm_ctas=num_comm_ctas, dcp=P,
+                          decode_max_query=ss.DECODE_MAX_QUERY,
+                          min_decode_limit=ss.MIN_DECODE_LIMIT, min_gain=ss.MIN_GAIN, lim=None,
+                          fixed=None, eng=eng, prune=True)
+    else:
+        plan = plan_splits(tiles0.tolist(), qlen.tolist(), params, heads=H,
+                           rows_per_tile=rows_per_tile, vectors=(qlen * H).tolist(),
+                           chunk_tiles=c_tiles.tolist(), hq=hq, merge_run=merge_run,
+                           tile_tokens=tile, history_tokens=local[0].tolist(),
+                           num_comm_ctas=num_comm_ctas, dcp=P, fixed_splits=splits, engine=eng)
     s = np.asarray(plan.splits, dtype=np.int64)
     s = np.where(tiles0 > 0, s, 0)  # no history, no history tasks
-    caps = dict(capacities or {})
-    cap = lambda key, n: bucket(max(n, int(caps.get(key, 0))), min_capacity)  # noqa: E731
     args = (qlen, tiles0, s, local, P, H, qtt, cqt, tile, plan.order, plan.epochs,
             int(plan.copy_run), int(merge_run), max(1, num_comm_ctas // P), params.delta_attn)
     if eng == "native":
@@ -253,6 +270,42 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
         req_history=_pad(hist, R_cap), req_query=_pad(qlen, R_cap),
         req_query_offset=_pad(q_off, R_cap), req_splits=_pad(np.asarray(plan.splits), R_cap),
         req_local_len=_pad(local, R_cap), **tables)
+
+
+_REQ_FIELDS = ("req_history", "req_query", "req_query_offset", "req_splits", "req_local_len")
+
+
+def _build_native(hist, qlen, P, hq, tile, rows_per_tile, num_comm_ctas, merge_run, params, cap):
+    """:func:`build_tables` with the planner (no fixed splits) in one compiled call
+    (``_cw_step.c``): the same plan and tables as the step-by-step path, without its ~0.1 ms
+    of Python around the compiled search and packer."""
+    S = hist.size
+    counts, out = {}, []
+
+    def alloc(n):  # called once by the packer with the row counts
+        counts.update(zip(("chunk", "history", "reductions", "reduction_inputs", "finals",
+                           "blocks"), n))
+        caps = {k: cap(k, v) for k, v in counts.items()}
+        out.extend(np.zeros((P, caps[key]) if name in ("hist_kv_start", "hist_kv_end")
+                            else caps[key], dtype=np.int32) for key, name in _PACK_FIELDS)
+        R = cap("requests", S)
+        out.extend(np.zeros(R, dtype=np.int32) for _ in range(4))
+        out.append(np.zeros((P, R), dtype=np.int32))
+        return tuple(out)
+
+    native, fa3, limits, num_epochs = cw._cw_native.step(
+        hist.tolist(), qlen.tolist(), P, hq, tile, rows_per_tile, num_comm_ctas, merge_run,
+        params.num_ctas, params.rho, params.delta_attn, params.delta_red, params.gamma,
+        params.warps_per_cta, ss.DECODE_MAX_QUERY, ss.MIN_DECODE_LIMIT, ss.MIN_GAIN, alloc)
+    plan = ss._split_plan(native, fa3, limits)
+    tables = {name: a for (_, name), a in zip(_PACK_FIELDS, out)}
+    H = P * hq
+    return DcpTables(
+        dcp=P, hq=hq, heads=H, tile=tile, q_tile_tokens=max(1, rows_per_tile // H),
+        chunk_q_tile_tokens=max(1, rows_per_tile // hq), copy_run=int(plan.copy_run),
+        merge_run=merge_run, order=plan.order, num_epochs=int(num_epochs), plan=plan,
+        num_requests=S, **{_COUNT_NAMES[k]: v for k, v in counts.items()},
+        **dict(zip(_REQ_FIELDS, out[len(_PACK_FIELDS):])), **tables)
 
 
 def _pack_native(qlen, tiles0, s, local, P, H, qtt, cqt, tile, order, epochs, copy_run,

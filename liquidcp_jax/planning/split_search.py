@@ -20,12 +20,13 @@ the bound (below) is a proven lower bound of the model, so skipping never change
 * ``K`` CTAs complete at most ``k / tau(k) <= K`` tile-equivalents per unit time, and when
   no chunk task exists the last attention task feeds a reduction of cost ``>= delta_red + gamma``.
 
-The compiled search (``_cw_native.c``, ``engine="native"``, the default when built) runs
+The compiled search (``_cw_search.c``, ``engine="native"``, the default when built) runs
 this same loop and additionally stops a candidate's simulation once its partial score shows
 it cannot win (the attention end, then max over reductions of inputs-ready + cost, then each
-reduction end; all are lower bounds of the score); tests check it returns exactly the plan of
-the straightforward search
-(``engine="python", prune=False``).
+reduction end; all are lower bounds of the score), updates the queue order incrementally
+(only the changed sequences move) and resumes each candidate's simulation from the
+incumbent's saved dispatch state before the first changed queue position; tests check it
+returns exactly the plan of the straightforward search (``engine="python", prune=False``).
 
 Ordering follows §5.2: release-aware LPT for split decode-only plans, FIFO otherwise.
 """
@@ -40,6 +41,9 @@ from liquidcp_jax.planning import critical_wave as cw
 from liquidcp_jax.planning.fa3 import fa3_dynamic_splits, fa3_static_num_splits
 
 QUERY_BLOCK = 16  # tokens per query transfer block (A.2 / A.3)
+DECODE_MAX_QUERY = 16  # query tokens of a decode request (§5.2)
+MIN_DECODE_LIMIT = 4   # split limit floor of long decode requests (§5.2)
+MIN_GAIN = 0.10        # a split plan must beat NoSplit by 10 % (§5.2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +149,21 @@ def fa3_reference_splits(history_tiles: Sequence[int], query_tokens: Sequence[in
         tests compare both), ``"python"`` with NumPy; ``"auto"`` the compiled one when built.
     """
     tiles = np.asarray(history_tiles, dtype=np.int64)
-    toks = tiles * tile_tokens if history_tokens is None else np.asarray(history_tokens, np.int64)
-    qs = np.asarray(query_tokens, dtype=np.int64)
+    toks = None if history_tokens is None else np.asarray(history_tokens, np.int64)
+    return _fa3_reference(tiles, np.asarray(query_tokens, dtype=np.int64), toks, heads, num_sms,
+                          rows_per_tile, tile_tokens, cw._engine(engine))
+
+
+def _fa3_reference(tiles, qs, toks, heads, num_sms, rows_per_tile, tile_tokens, engine):
+    """:func:`fa3_reference_splits` on int64 arrays (``toks`` None: whole tiles)."""
+    toks = tiles * tile_tokens if toks is None else toks
     static = fa3_static_num_splits(tiles.size, int(qs.max()), int(toks.max()), num_heads=heads,
                                    num_heads_k=1, num_sms=num_sms, block_m=rows_per_tile,
                                    block_n=tile_tokens,
                                    heuristic=(cw._cw_native.fa3_heuristic
-                                              if cw._engine(engine) == "native" else None))
+                                              if engine == "native" else None))
+    if static <= 1:  # FA3 then runs every sequence whole (fa3_dynamic_splits)
+        return (1,) * tiles.size
     n_blocks = -(-toks // tile_tokens)
     m_blocks = -(-(qs * heads) // rows_per_tile)
     dyn = np.asarray(fa3_dynamic_splits(n_blocks, m_blocks, static, num_sms=num_sms, num_head=1))
@@ -164,8 +176,8 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
                 copy_run: int | None = None, merge_run: int = 1,
                 fa3_splits: Sequence[int] | None = None, fa3_num_sms: int | None = None,
                 tile_tokens: int = 128, history_tokens: Sequence[int] | None = None,
-                num_comm_ctas: int = 16, dcp: int = 1, decode_max_query: int = 16,
-                min_decode_limit: int = 4, min_gain: float = 0.10,
+                num_comm_ctas: int = 16, dcp: int = 1, decode_max_query: int = DECODE_MAX_QUERY,
+                min_decode_limit: int = MIN_DECODE_LIMIT, min_gain: float = MIN_GAIN,
                 max_splits: Sequence[int] | None = None,
                 fixed_splits: Sequence[int] | None = None, engine: str = "auto",
                 prune: bool = True) -> SplitPlan:
@@ -198,9 +210,9 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
     if not isinstance(params, cw.Params):
         raise ValueError(f"params must be a critical_wave.Params, got {type(params).__name__}")
     eng = cw._engine(engine)
-    tiles = cw._int_vector(history_tiles, "history_tiles", lo=0)
-    S = len(tiles)
-    qs = cw._int_vector(query_tokens, "query_tokens", lo=1, size=S)
+    tiles_a = cw._int_array(history_tiles, "history_tiles", lo=0)
+    S = tiles_a.size
+    qs_a = cw._int_array(query_tokens, "query_tokens", lo=1, size=S)
     for name, v in (("heads", heads), ("rows_per_tile", rows_per_tile), ("tile_tokens", tile_tokens),
                     ("num_comm_ctas", num_comm_ctas), ("dcp", dcp), ("merge_run", merge_run),
                     ("min_decode_limit", min_decode_limit)):
@@ -210,27 +222,14 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
     vec = [1] * S if vectors is None else cw._int_vector(vectors, "vectors", lo=1, size=S)
     chunk = [] if len(chunk_tiles) == 0 else cw._int_vector(chunk_tiles, "chunk_tiles", lo=0)
-    K = params.num_ctas
-    rows_tokens = max(1, rows_per_tile // heads)
-    qs_a, tiles_a = np.asarray(qs, dtype=np.int64), np.asarray(tiles, dtype=np.int64)
-    qtiles = (-(-qs_a // rows_tokens)).tolist()
-    decode = qs_a <= decode_max_query
-    decode_only = bool(decode.all())
-    if fa3_splits is None:
-        fa3 = fa3_reference_splits(tiles, qs, heads=heads, num_sms=fa3_num_sms or K,
-                                   rows_per_tile=rows_per_tile, tile_tokens=tile_tokens,
-                                   history_tokens=history_tokens, engine=eng)
-    else:
+    tiles = tiles_a.tolist()
+    fa3 = None
+    if fa3_splits is not None:
         fa3 = tuple(cw._int_vector(fa3_splits, "fa3_splits", lo=1, size=S))
         cw._check_splits(tiles, list(fa3))
-    fa3_a = np.asarray(fa3, dtype=np.int64)
-    if max_splits is None:
-        lim = np.where(decode & (tiles_a >= K), np.maximum(fa3_a, min_decode_limit), fa3_a)
-    else:
-        lim = np.asarray(cw._int_vector(max_splits, "max_splits", lo=1, size=S), dtype=np.int64)
-    limits = tuple(np.maximum(1, np.minimum(lim, tiles_a)).tolist())
-    qblocks = (-(-qs_a // QUERY_BLOCK)).tolist()
-    ones = tuple(1 for _ in tiles)
+    lim = None
+    if max_splits is not None:
+        lim = cw._int_array(max_splits, "max_splits", lo=1, size=S)
     fixed = None
     if fixed_splits is not None:
         fixed = tuple(cw._int_vector(fixed_splits, "fixed_splits", lo=1, size=S))
@@ -240,10 +239,41 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
         raise ValueError(f"hq must be an int >= 1, got {hq!r}")
     if copy_run is not None and (int(copy_run) != copy_run or copy_run < 1):
         raise ValueError(f"copy_run must be None or an int >= 1, got {copy_run!r}")
+    toks = None if history_tokens is None else np.asarray(history_tokens, dtype=np.int64)
+    return _select(tiles, tiles_a, qs_a, vec, chunk, params, heads=heads,
+                   rows_per_tile=rows_per_tile, hq=hq_, copy_run=copy_run, merge_run=merge_run,
+                   fa3=fa3, fa3_num_sms=fa3_num_sms, tile_tokens=tile_tokens, toks=toks,
+                   num_comm_ctas=num_comm_ctas, dcp=dcp, decode_max_query=decode_max_query,
+                   min_decode_limit=min_decode_limit, min_gain=min_gain, lim=lim, fixed=fixed,
+                   eng=eng, prune=prune)
+
+
+def _select(tiles, tiles_a, qs_a, vec, chunk, params, *, heads, rows_per_tile, hq, copy_run,
+            merge_run, fa3, fa3_num_sms, tile_tokens, toks, num_comm_ctas, dcp, decode_max_query,
+            min_decode_limit, min_gain, lim, fixed, eng, prune) -> SplitPlan:
+    """:func:`plan_splits` after its input checks (``megadcp.build_tables`` calls it directly
+    with inputs it derived from checked ones): ``tiles`` list and ``tiles_a`` / ``qs_a`` int64
+    arrays, ``vec`` / ``chunk`` lists, ``fa3`` / ``fixed`` tuples or None, ``lim`` (max_splits)
+    int64 array or None, ``toks`` (history_tokens) int64 array or None, ``eng`` resolved."""
+    S = len(tiles)
+    K = params.num_ctas
+    rows_tokens = max(1, rows_per_tile // heads)
+    qtiles = (-(-qs_a // rows_tokens)).tolist()
+    decode = qs_a <= decode_max_query
+    decode_only = bool(decode.all())
+    if fa3 is None:
+        fa3 = _fa3_reference(tiles_a, qs_a, toks, heads, fa3_num_sms or K, rows_per_tile,
+                             tile_tokens, eng)
+    fa3_a = np.asarray(fa3, dtype=np.int64)
+    if lim is None:
+        lim = np.where(decode & (tiles_a >= K), np.maximum(fa3_a, min_decode_limit), fa3_a)
+    limits = tuple(np.maximum(1, np.minimum(lim, tiles_a)).tolist())
+    qblocks = (-(-qs_a // QUERY_BLOCK)).tolist()
+    ones = (1,) * S
     if eng == "native":
         return _plan_native(tiles, qtiles, vec, chunk, qblocks, limits, fa3, decode_only, params,
-                            hq_, num_comm_ctas, dcp, copy_run, merge_run, min_gain, fixed, prune)
-    sc = _Scorer(tiles, qtiles, vec, chunk, qblocks, decode_only, params, hq_, num_comm_ctas, dcp,
+                            hq, num_comm_ctas, dcp, copy_run, merge_run, min_gain, fixed, prune)
+    sc = _Scorer(tiles, qtiles, vec, chunk, qblocks, decode_only, params, hq, num_comm_ctas, dcp,
                  copy_run, merge_run)
     if fixed is not None:
         nos_d, fa3_d, ch = sc.details(ones), sc.details(tuple(fa3)), sc.details(fixed)
@@ -346,12 +376,17 @@ def _search_python(sc: _Scorer, tiles, qtiles, limits, chunk, p: "cw.Params", pr
 
 def _plan_native(tiles, qtiles, vec, chunk, qblocks, limits, fa3, decode_only, p, hq, M, P,
                  copy_run, merge_run, min_gain, fixed, prune) -> SplitPlan:
-    (chosen, search, iterations, evaluations, score, attn_end, ntasks, run, order, epochs,
-     nos_score, fa3_score, search_score) = cw._cw_native.plan(
+    return _split_plan(cw._cw_native.plan(
         tiles, qtiles, vec, chunk, qblocks, list(limits), list(fa3), bool(decode_only),
         p.num_ctas, p.rho, p.delta_attn, p.delta_red, p.gamma, p.warps_per_cta, hq, M, P,
         -1 if copy_run is None else int(copy_run), merge_run, float(min_gain),
-        None if fixed is None else list(fixed), bool(prune))
+        None if fixed is None else list(fixed), bool(prune)), fa3, limits)
+
+
+def _split_plan(native, fa3, limits) -> SplitPlan:
+    """A :class:`SplitPlan` from the tuple the compiled planner returns."""
+    (chosen, search, iterations, evaluations, score, attn_end, ntasks, run, order, epochs,
+     nos_score, fa3_score, search_score) = native
     return SplitPlan(splits=chosen, score=score, nosplit_score=nos_score,
                      fa3_splits=tuple(fa3), fa3_score=fa3_score, search_splits=search,
                      search_score=search_score, limits=tuple(limits), order=order, epochs=epochs,
