@@ -2,9 +2,13 @@
 
 100 seeded batches per dataset at 64K, 128K and 256K tokens on 8 devices (paper
 §7.3 "Placement", whose batches are at 128K).  Prints one table per setting and
-an acceptance summary; writes ``benchmarks/results/placement.json``.
+an acceptance summary; writes ``benchmarks/results/placement.json``.  Per setting it also
+runs BuddyRing with ``max_shards`` = Megatron's shard count, and with ``--exact-s`` an
+integer program (:func:`exact_shard_check`) decides, on each batch where BuddyRing has more
+shards than Megatron, whether any placement with Megatron's shard count meets both tolerances.
 
-    /tmp/venv/bin/python benchmarks/placement.py [--batches 100] [--devices 8]
+    .venv/bin/python benchmarks/placement.py [--batches 100] [--devices 8] [--exact-s 20]
+    .venv/bin/python benchmarks/placement.py --datasets freelaw,arxiv --budgets 128K --batches 30
 """
 from __future__ import annotations
 
@@ -31,25 +35,134 @@ def shard_floor(dataset: str, budget: str, devices: int, batches: int) -> np.nda
                        for s in range(batches)])
 
 
-def rank_shards_variant(dataset: str, budget: str, devices: int, batches: int,
-                        megatron_shards) -> dict:
-    """BuddyRing with ``rank_shards=True`` (shards ranked right after V; not the paper's order)."""
+def cap_variant(dataset: str, budget: str, devices: int, batches: int, megatron_shards) -> dict:
+    """BuddyRing with ``max_shards`` = Megatron's shard count on each batch (the shards above
+    the cap ranked right after V; not the paper's order)."""
     rows = []
     for s in range(batches):
         lengths = sample_batch(dataset, budget, s)
         t = time.perf_counter()
-        r = buddyring_search(lengths, devices, rank_shards=True)
+        r = buddyring_search(lengths, devices, max_shards=int(megatron_shards[s]))
         rows.append((r.d_t, r.d_w, r.placement.num_shards, r.feasible,
                      (time.perf_counter() - t) * 1e3))
     a = np.asarray(rows, dtype=np.float64)
+    more = a[:, 2] > np.asarray(megatron_shards)
     return {"mean_d_t": float(a[:, 0].mean()), "mean_d_w": float(a[:, 1].mean()),
             "mean_shards": float(a[:, 2].mean()), "hit_rate": float(a[:, 3].mean()),
-            "more_shards_than_megatron": int(np.sum(a[:, 2] > np.asarray(megatron_shards))),
+            "more_shards_than_megatron": int(np.sum(more)),
+            "more_shards_seeds": np.nonzero(more)[0].tolist(),
             "ms_median": float(np.median(a[:, 4])), "ms_p95": float(np.percentile(a[:, 4], 95))}
+
+
+def exact_shard_check(lengths, devices: int, cap: int, *, time_limit: float,
+                      token_tol: float = 0.10, attn_tol: float = 0.05, max_group_size: int = 8):
+    """Is there a legal placement meeting both tolerances with at most ``cap`` shards?
+
+    An integer program over every (sequence, aligned group) pair, solved by HiGHS through
+    ``scipy.optimize.milp`` (scipy comes with jax): one group per sequence, each device's
+    tokens and attention work (padding counted, as in ``metrics``) within the tolerances of
+    the placement's own means, shards ``sum g`` minimised subject to ``<= cap``.  Written
+    independently of BuddyRing's internals, so it also cross-checks the metrics.
+    Returns:
+      ``("infeasible", None)``: proven that none exists; ``("feasible", shards)``: the
+      fewest shards found (optimal when the solver finished), checked with ``metrics``;
+      ``("unknown", None)``: the time limit hit before either.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from liquidcp_jax.planning.placement import Group, Placement
+    L = np.asarray(lengths, dtype=np.int64)
+    S, n = len(L), devices
+    groups = [(st, g) for g in (1 << k for k in range(8)) if g <= min(n, max_group_size)
+              for st in range(0, n, g)]
+    G = len(groups)
+    gsize = np.asarray([g for _, g in groups], dtype=np.float64)
+    lp = metrics.padded_length(L[:, None], gsize[None, :].astype(np.int64))  # (S, G)
+    tok, wk = lp / gsize[None], metrics.attention_work(lp) / gsize[None]
+    mask = np.zeros((G, n))
+    for k, (st, g) in enumerate(groups):
+        mask[k, st:st + g] = 1.0
+    rows, lo, hi = [], [], []
+    for i in range(S):  # one group per sequence
+        r = np.zeros((S, G))
+        r[i] = 1.0
+        rows.append(r.ravel())
+        lo.append(1.0)
+        hi.append(1.0)
+    for share, eps in ((tok, token_tol), (wk, attn_tol)):
+        total = (share * gsize[None]).ravel() / n  # the mean per device, linear in x
+        for d in range(n):
+            load = (share * mask[:, d][None]).ravel()
+            rows += [load - (1 + eps) * total, (1 - eps) * total - load]
+            lo += [-np.inf, -np.inf]
+            hi += [0.0, 0.0]
+    rows.append(np.tile(gsize, S))
+    lo.append(-np.inf)
+    hi.append(float(cap))
+    res = milp(np.tile(gsize, S), integrality=np.ones(S * G), bounds=Bounds(0, 1),
+               constraints=LinearConstraint(np.asarray(rows), lo, hi),
+               options={"time_limit": float(time_limit)})
+    if res.status == 2:
+        return "infeasible", None
+    if res.x is None:
+        return "unknown", None
+    pick = res.x.reshape(S, G).argmax(axis=1)
+    p = Placement(tuple(int(x) for x in L), n, tuple(Group(*groups[k]) for k in pick))
+    v = metrics.violation(*metrics.imbalance(p), token_tol, attn_tol)
+    if v > 1e-9:  # solver tolerance let a hair-thin violation through
+        return "unknown", None
+    return "feasible", p.num_shards
+
 
 DATASETS = ("prolong", "arxiv", "freelaw", "github", "pilecc")
 BUDGETS = ("64K", "128K", "256K")
 PAPER_FREELAW_128K = (0.064, 0.043)  # BuddyRing mean (D_T, D_W), paper §7.3
+
+
+def exact_pass(results: dict, args, datasets) -> None:
+    """The exact shard check on every batch of ``--exact-budgets`` where BuddyRing (default or
+    ``max_shards``) has more shards than Megatron and Megatron is at or above the floor
+    (below it, no placement with Megatron's count meets the tolerances anyway)."""
+    for budget in [b for b in args.exact_budgets.split(",") if b]:
+        for ds in datasets:
+            key = f"{ds}_{budget}"
+            if key not in results:
+                continue
+            sh = results[key]["per_batch_shards"]
+            b_sh, m_sh, floor = (np.asarray(sh[k]) for k in ("buddyring", "megatron", "floor"))
+            c_more = np.zeros(len(b_sh), dtype=bool)
+            c_more[results[key]["cap_variant"]["more_shards_seeds"]] = True
+            todo = np.nonzero(((b_sh > m_sh) | c_more) & (m_sh >= floor))[0]
+            per = {}
+            t = time.time()
+            for s in todo.tolist():
+                status, best = exact_shard_check(sample_batch(ds, budget, s), args.devices,
+                                                 int(m_sh[s]), time_limit=args.exact_s)
+                per[s] = (status, best)
+            counts = {}
+            for name, more in (("default", b_sh > m_sh), ("max_shards", c_more)):
+                c = {"infeasible": 0, "feasible": 0, "unknown": 0}
+                for s, (status, _) in per.items():
+                    if more[s]:
+                        c[status] += 1
+                counts[name] = c
+            results[key]["exact"] = {"per_batch": {str(k): v for k, v in per.items()},
+                                     "counts": counts, "time_limit_s": args.exact_s,
+                                     "wall_s": round(time.time() - t, 1)}
+            print(f"  exact check {key}: {len(todo)} batches in {time.time() - t:.0f} s; "
+                  f"BuddyRing > Megatron >= floor, split by whether a placement with Megatron's "
+                  f"shard count meets both tolerances: {counts}", flush=True)
+
+
+def _write(args, results, acceptance, t0, argv) -> None:
+    meta = {"command": "python benchmarks/placement.py " + " ".join(argv or sys.argv[1:]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version(), "numpy": np.__version__,
+            "wall_s": round(time.time() - t0, 1)}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "acceptance": acceptance, "results": results}, f, indent=1)
+    print(f"wrote {args.out} ({meta['wall_s']} s)")
 
 
 def main(argv=None) -> int:
@@ -58,12 +171,27 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                    "results", "placement.json"))
+    ap.add_argument("--datasets", default=",".join(DATASETS),
+                    help="comma-separated subset of " + ",".join(DATASETS))
+    ap.add_argument("--budgets", default=",".join(BUDGETS), help="comma-separated token budgets")
+    ap.add_argument("--exact-s", type=float, default=0.0,
+                    help="time limit (s) of the exact shard check (an integer program, "
+                         "exact_shard_check) run after the timed sweep on every batch where "
+                         "BuddyRing (default or capped) has more shards than Megatron and "
+                         "Megatron is at or above the shard floor; 0 skips it")
+    ap.add_argument("--exact-budgets", default="128K",
+                    help="budgets whose batches get the exact check")
     args = ap.parse_args(argv)
+    datasets = [d for d in args.datasets.split(",") if d]
+    budgets = [b for b in args.budgets.split(",") if b]
+    for d in datasets:
+        if d not in DATASETS:
+            raise ValueError(f"--datasets: unknown dataset {d!r}; expected some of {DATASETS}")
     t0 = time.time()
     results = {}
     ms_128k = []
-    for budget in BUDGETS:
-        for ds in DATASETS:
+    for budget in budgets:
+        for ds in datasets:
             r = evaluate(ds, budget, args.devices, args.batches, progress=True)
             print(format_table(r), flush=True)
             print(flush=True)
@@ -83,17 +211,27 @@ def main(argv=None) -> int:
                 "buddyring_shards_over_floor_mean": float(np.mean(b_sh - floor)),
                 "buddyring_minus_megatron_shards_max": int(np.max(b_sh - m_sh)),
             }
-            if budget == "128K":
-                results[key]["rank_shards_variant"] = rank_shards_variant(
-                    ds, budget, args.devices, args.batches, m_sh)
+            results[key]["per_batch_shards"] = {"buddyring": b_sh.tolist(),
+                                                "megatron": m_sh.tolist(), "floor": floor.tolist()}
+            cap = cap_variant(ds, budget, args.devices, args.batches, m_sh)
+            results[key]["cap_variant"] = cap
+            c_more = np.zeros(args.batches, dtype=bool)
+            c_more[cap["more_shards_seeds"]] = True
+            results[key]["cap_more_where_megatron_at_or_above_floor"] = int(
+                np.sum(c_more & (m_sh >= floor)))
             print(f"  shards: BuddyRing > Megatron in {int(np.sum(more))} batches; Megatron "
                   f"below the tolerance floor in {results[key]['megatron_below_shard_floor']}; "
                   f"BuddyRing over the floor by {results[key]['buddyring_shards_over_floor_mean']:.2f}"
                   f" on average", flush=True)
-            if "rank_shards_variant" in results[key]:
-                print(f"  rank_shards=True: {results[key]['rank_shards_variant']}", flush=True)
+            print(f"  max_shards=Megatron: { {k: v for k, v in cap.items() if k != 'more_shards_seeds'} }",
+                  flush=True)
             if budget == "128K":
                 ms_128k.extend(bud["ms"])
+    if args.exact_s > 0:
+        exact_pass(results, args, datasets)
+    if "freelaw_128K" not in results or not ms_128k:
+        _write(args, results, {}, t0, argv)
+        return 0
     fl = results["freelaw_128K"]["placements"]
     ms = np.asarray(ms_128k)
     acceptance = {
@@ -107,6 +245,7 @@ def main(argv=None) -> int:
             k: v["buddyring_more_shards_than_megatron"] for k, v in results.items()},
         "batches_megatron_below_shard_floor": {
             k: v["megatron_below_shard_floor"] for k, v in results.items()},
+        "exact_check": {k: v["exact"]["counts"] for k, v in results.items() if "exact" in v},
         "planning_ms_128K_all_datasets": {"median": float(np.median(ms)),
                                           "p95": float(np.percentile(ms, 95)),
                                           "max": float(ms.max())},
@@ -128,14 +267,7 @@ def main(argv=None) -> int:
     p = acceptance["planning_ms_128K_all_datasets"]
     print(f"  BuddyRing planning time per 128K batch (all datasets): median {p['median']:.1f} ms, "
           f"p95 {p['p95']:.1f} ms, max {p['max']:.1f} ms")
-    meta = {"command": "python benchmarks/placement.py " + " ".join(argv or sys.argv[1:]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-            "python": platform.python_version(), "numpy": np.__version__,
-            "wall_s": round(time.time() - t0, 1)}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "acceptance": acceptance, "results": results}, f, indent=1)
-    print(f"wrote {args.out} ({meta['wall_s']} s)")
+    _write(args, results, acceptance, t0, argv)
     return 0
 
 

@@ -16,7 +16,16 @@ One addition (``balance_sum=True``, the default): between 4 and 5 ranks
 the literal order, repair spends the tolerance slack on ``D_W`` alone and
 FreeLaw 128K ends at mean ``D_T`` 8.1 % against the paper's 6.4 %
 (``benchmarks/RESULTS.md``).  ``rank_shards=True`` (an experiment, off) ranks
-the shard count right after ``V``.
+the shard count right after ``V``; ``max_shards`` (off) ranks the shards above a
+cap right after ``V`` in the final choice (not the paper's order either).
+
+Min-shard candidates (``min_shards=True``, :mod:`buddyring_minshard`): after the
+stages, the best placement is narrowed group by group while both tolerances
+hold, and placements are packed from fixed size vectors (A.1 minimum sizes,
+Megatron-like sizes, every sequence on >= 2 devices); they are ranked with the
+stages' best by the same key.
+A narrowed placement has every group at most as wide as its source, so under
+the paper's order it never ranks below it while it stays feasible.
 
 Search: structural sequences (``kappa_i = max(L_i/T, a_i/W) >= 0.5``) go
 through a Pareto beam search in decreasing ``kappa``; fillers are placed
@@ -33,7 +42,6 @@ tokens and work.  Everything is deterministic: ties go to the lower index.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
@@ -41,6 +49,8 @@ import numpy as np
 from liquidcp_jax.planning.metrics import (ALIGN, LENGTH_CUTOFFS, attention_work, length_class,
                                            min_group_sizes, padded_length)
 from liquidcp_jax.planning._pareto import crowding_distance, dense_rank, nondominated
+from liquidcp_jax.planning.buddyring_fillers import _Beam, _place_fillers
+from liquidcp_jax.planning.buddyring_minshard import candidates
 from liquidcp_jax.planning.placement import Group, Placement, _is_pow2, validate_lengths
 
 _HASH = (np.random.default_rng(20261202).integers(1, 2 ** 62, size=4096) | 1).astype(np.int64)
@@ -58,6 +68,8 @@ class BuddyRingResult:
       d_t, d_w: token and attention imbalance of ``placement``.
       stage: relaxation stage that produced it (0: structural beam + local fillers).
       stages_run: stages searched (skipped duplicates not counted).
+      source: ``"beam"`` (the stages' best) or ``"min_shard"`` (a candidate of
+        :func:`buddyring_minshard.candidates` ranked first).
     """
 
     placement: Placement
@@ -67,14 +79,20 @@ class BuddyRingResult:
     d_w: float
     stage: int
     stages_run: int
+    source: str = "beam"
 
 
 class _Problem:
     """Per-batch constants: the legal groups and each sequence's load on each of them."""
 
     def __init__(self, lengths, n, *, token_tol, attn_tol, causal, structural_threshold,
-                 max_group_size, align, cutoffs, rank_shards=False, balance_sum=True):
+                 max_group_size, align, cutoffs, rank_shards=False, balance_sum=True,
+                 max_shards=None):
         self.rank_shards = bool(rank_shards)
+        self.max_shards = max_shards
+        # The cap column joins the key only for the final choice (set after the stages), so
+        # the stages and their repair run exactly as without a cap.
+        self.cap_active = False
         self.balance_sum = bool(balance_sum)
         self.L = np.asarray(lengths, dtype=np.int64)
         self.S = len(lengths)
@@ -131,14 +149,19 @@ class _Problem:
     def keys(self, T, W, prof, comm, distinct, shards) -> np.ndarray:
         """Ranking keys of complete placements, one row each; smaller rows rank first.
 
-        Columns: ``V``, [shards], profile (``P``), comm proxy, distinct groups,
-        [``D_T + D_W``], ``D_W``, ``D_T``; bracketed ones only with
-        ``rank_shards`` / ``balance_sum``.  ``V`` is column 0, ``D_W`` and ``D_T`` the last two.
+        Columns: ``V``, [shards above ``max_shards``], [shards], profile (``P``), comm
+        proxy, distinct groups, [``D_T + D_W``], ``D_W``, ``D_T``; bracketed ones only with
+        ``max_shards`` (and only once ``cap_active``: the final choice) / ``rank_shards`` /
+        ``balance_sum``.  ``V`` is column 0, ``D_W`` and ``D_T`` the last two.
         """
         d_t = _deviation(T)
         d_w = _deviation(W)
         v = np.maximum(0.0, np.maximum(d_t - self.eps_t, d_w - self.eps_w))
-        lead = [np.round(v, _ROUND)] + ([shards] if self.rank_shards else [])
+        shards = np.broadcast_to(np.asarray(shards, dtype=np.float64), v.shape)
+        lead = [np.round(v, _ROUND)]
+        if self.max_shards is not None and self.cap_active:
+            lead.append(np.maximum(0.0, shards - self.max_shards))
+        lead += [shards] if self.rank_shards else []
         # Unweighted, like the filler tie-break smax(T/T) + smax(W/W); without it a
         # lexicographic D_W first lets repair trade token balance for tiny attention gains.
         bal = [np.round(d_t + d_w, _ROUND)] if self.balance_sum else []
@@ -154,25 +177,6 @@ def _deviation(X: np.ndarray) -> np.ndarray:
 def _lex_order(keys: np.ndarray) -> np.ndarray:
     """Row order by lexicographic key, ties by row index (stable)."""
     return np.lexsort(tuple(keys[:, c] for c in range(keys.shape[1] - 1, -1, -1)))
-
-
-@dataclasses.dataclass
-class _Beam:
-    """Partial placements; B rows."""
-
-    T: np.ndarray        # (B, N) tokens per device
-    W: np.ndarray        # (B, N) attention work per device
-    prof: np.ndarray     # (B, P) splitting profile
-    comm: np.ndarray     # (B,) communication proxy
-    used: np.ndarray     # (B, G) group counts (sequences per group)
-    assign: np.ndarray   # (B, S) group id per sequence, -1 when unplaced
-
-    def distinct(self, multi):
-        return ((self.used > 0) & multi[None]).sum(axis=1)
-
-    def shards(self, gsize):
-        """``(B,)`` placed sequence shards ``sum_i g_i``."""
-        return self.used @ gsize
 
 
 def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
@@ -231,102 +235,6 @@ def _beam_step(pb: _Problem, beam: _Beam, i: int, gids: np.ndarray, width: int,
     assign = beam.assign[b].copy()
     assign[:, i] = g
     return _Beam(T[chosen], W[chosen], prof[chosen], comm[chosen], used, assign)
-
-
-def _place_fillers(pb: _Problem, beam: _Beam, fillers, lam: float) -> _Beam:
-    """Greedy A.1 filler placement on single devices, for every beam state at once."""
-    if not fillers:
-        return beam
-    if beam.T.shape[0] * pb.N <= 64:  # few states: scalar Python beats numpy call overhead
-        return _place_fillers_scalar(pb, beam, fillers, lam)
-    B, n = beam.T.shape[0], pb.N
-    t, w = beam.T / pb.Tbar, beam.W / pb.Wbar
-    assign, used = beam.assign.copy(), beam.used.copy()
-    m_t, m_w = t.max(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
-    # smax through running sums of exp(lam x - shift); one shift per state keeps them finite.
-    e_t, e_w = np.exp(lam * (t - m_t - 1.0)), np.exp(lam * (w - m_w - 1.0))
-    s_t, s_w = e_t.sum(axis=1, keepdims=True), e_w.sum(axis=1, keepdims=True)
-    fl = np.asarray(fillers)
-    LT = pb.L[fl] / pb.Tbar
-    LW = pb.wk[fl, pb.local[0]] / pb.Wbar
-    CT, CW = np.exp(lam * LT) - 1.0, np.exp(lam * LW) - 1.0
-    lim_t, lim_w = 1.0 + pb.eps_t, 1.0 + pb.eps_w
-    base = np.arange(B) * n
-    tf, wf, etf, ewf = t.reshape(-1), w.reshape(-1), e_t.reshape(-1), e_w.reshape(-1)
-    for k, f in enumerate(fillers):
-        lt, lw, ct, cw = LT[k], LW[k], CT[k], CW[k]
-        ov = np.maximum(t + lt, m_t)
-        ov -= lim_t
-        ow = np.maximum(w + lw, m_w)
-        ow -= lim_w
-        np.maximum(ov, ow, out=ov)
-        np.maximum(ov, 0.0, out=ov)
-        tie = np.log(e_t * ct + s_t)
-        tie += np.log(e_w * cw + s_w)
-        mn = ov.min(axis=1, keepdims=True)
-        mn += 1e-12
-        tie[ov > mn] = np.inf
-        r = tie.argmin(axis=1)
-        idx = base + r
-        tf[idx] += lt
-        wf[idx] += lw
-        gt, gw = etf[idx] * ct, ewf[idx] * cw
-        s_t[:, 0] += gt
-        s_w[:, 0] += gw
-        etf[idx] += gt
-        ewf[idx] += gw
-        np.maximum(m_t[:, 0], tf[idx], out=m_t[:, 0])
-        np.maximum(m_w[:, 0], wf[idx], out=m_w[:, 0])
-        loc = pb.local[r]
-        assign[:, f] = loc
-        used[np.arange(B), loc] += 1
-    seqs = np.arange(pb.S)
-    T = pb.tokvec[seqs[None], assign].sum(axis=1)  # exact sums, free of the running rounding
-    W = pb.wkvec[seqs[None], assign].sum(axis=1)
-    return _Beam(T, W, beam.prof, beam.comm, used, assign)
-
-
-def _place_fillers_scalar(pb: _Problem, beam: _Beam, fillers, lam: float) -> _Beam:
-    """Same rule as :func:`_place_fillers`, one state at a time in plain Python."""
-    n = pb.N
-    assign, used = beam.assign.copy(), beam.used.copy()
-    lim_t, lim_w = 1.0 + pb.eps_t, 1.0 + pb.eps_w
-    loc = int(pb.local[0])
-    lts = [float(pb.L[f]) / pb.Tbar for f in fillers]
-    lws = [float(pb.wk[f, loc]) / pb.Wbar for f in fillers]
-    for b in range(beam.T.shape[0]):
-        t = (beam.T[b] / pb.Tbar).tolist()
-        w = (beam.W[b] / pb.Wbar).tolist()
-        sh_t, sh_w = max(t) + 1.0, max(w) + 1.0
-        e_t = [math.exp(lam * (v - sh_t)) for v in t]
-        e_w = [math.exp(lam * (v - sh_w)) for v in w]
-        s_t, s_w = sum(e_t), sum(e_w)
-        m_t, m_w = max(t), max(w)
-        row = assign[b]
-        for f, lt, lw in zip(fillers, lts, lws):
-            ct, cw = math.exp(lam * lt) - 1.0, math.exp(lam * lw) - 1.0
-            best_ov, best_tie, best_r = math.inf, math.inf, 0
-            for r in range(n):
-                ov = max(max(m_t, t[r] + lt) - lim_t, max(m_w, w[r] + lw) - lim_w, 0.0)
-                if ov > best_ov + 1e-12:
-                    continue
-                tie = math.log(s_t + e_t[r] * ct) + math.log(s_w + e_w[r] * cw)
-                if ov < best_ov - 1e-12 or tie < best_tie:
-                    best_ov, best_tie, best_r = min(ov, best_ov), tie, r
-            r = best_r
-            t[r] += lt
-            w[r] += lw
-            s_t += e_t[r] * ct
-            s_w += e_w[r] * cw
-            e_t[r] *= ct + 1.0
-            e_w[r] *= cw + 1.0
-            m_t, m_w = max(m_t, t[r]), max(m_w, w[r])
-            row[f] = pb.local_l[r]
-            used[b, pb.local_l[r]] += 1
-    seqs = np.arange(pb.S)
-    T = pb.tokvec[seqs[None], assign].sum(axis=1)
-    W = pb.wkvec[seqs[None], assign].sum(axis=1)
-    return _Beam(T, W, beam.prof, beam.comm, used, assign)
 
 
 def _repair(pb: _Problem, assign: np.ndarray, lo: np.ndarray, hi: np.ndarray, *, iters: int,
@@ -508,7 +416,8 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
                      max_group_size: int = 8, align: int = ALIGN,
                      length_cutoffs: Sequence[int] = LENGTH_CUTOFFS,
                      max_tokens_per_device: int | None = None,
-                     rank_shards: bool = False, balance_sum: bool = True) -> BuddyRingResult:
+                     rank_shards: bool = False, balance_sum: bool = True,
+                     min_shards: bool = True, max_shards: int | None = None) -> BuddyRingResult:
     """BuddyRing with its search record; see :func:`buddyring` for the arguments."""
     lengths = validate_lengths(lengths)
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) \
@@ -529,13 +438,17 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
         raise ValueError(f"max_group_size must be a power of two >= 1, got {max_group_size}")
     if int(align) < 1:
         raise ValueError(f"align must be an int >= 1 tokens, got {align}")
+    if max_shards is not None and (isinstance(max_shards, bool) or int(max_shards) != max_shards
+                                   or int(max_shards) < 1):
+        raise ValueError(f"max_shards must be None or an int >= 1, got {max_shards!r}")
     cutoffs = tuple(int(c) for c in length_cutoffs)
     if list(cutoffs) != sorted(set(cutoffs)):
         raise ValueError(f"length_cutoffs must be strictly increasing, got {length_cutoffs}")
     pb = _Problem(lengths, n, token_tol=token_tol, attn_tol=attn_tol, causal=causal,
                   structural_threshold=structural_threshold, max_group_size=max_group_size,
                   align=int(align), cutoffs=cutoffs, rank_shards=rank_shards,
-                  balance_sum=balance_sum)
+                  balance_sum=balance_sum,
+                  max_shards=None if max_shards is None else int(max_shards))
     if max_tokens_per_device is not None:
         widest = pb.gid[(0, pb.gmax)]
         over = np.nonzero(pb.tok[:, widest] > max_tokens_per_device)[0]
@@ -560,11 +473,28 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
         if key[0] == 0:
             break
     key, assign, stage = best
+    source = "beam"
+    if pb.max_shards is not None:
+        pb.cap_active = True
+        key = tuple(_key_of(pb, assign))
+    # At the A.1 floor every size is minimal already; only an infeasible best can still gain.
+    if min_shards and (key[0] > 0 or pb.gsize[assign].sum() > pb.gmin.sum()):
+        one = np.ones(pb.S, dtype=np.int64)
+
+        def polish(a, hi):
+            return _repair(pb, a, one, hi, iters=params["repair_iters"],
+                           extreme=params["extreme_gpus"], per_gpu=params["seqs_per_gpu"])
+
+        for a in candidates(pb, assign, feasible=key[0] == 0, key_of=lambda a: _key_of(pb, a),
+                            polish=polish, max_shards=pb.max_shards):
+            k = tuple(_key_of(pb, a))
+            if k < key:
+                key, assign, source = k, a, "min_shard"
     groups = tuple(Group(int(pb.gstart[g]), int(pb.gsize[g])) for g in assign)
     placement = Placement(lengths, n, groups, name="buddyring")
     d_w, d_t = float(key[-2]), float(key[-1])
     return BuddyRingResult(placement=placement, feasible=key[0] == 0, violation=float(key[0]),
-                           d_t=d_t, d_w=d_w, stage=stage, stages_run=run)
+                           d_t=d_t, d_w=d_w, stage=stage, stages_run=run, source=source)
 
 
 def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.10,
@@ -574,7 +504,8 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
               seqs_per_gpu: int = 4, max_group_size: int = 8, align: int = ALIGN,
               length_cutoffs: Sequence[int] = LENGTH_CUTOFFS,
               max_tokens_per_device: int | None = None, rank_shards: bool = False,
-              balance_sum: bool = True) -> Placement:
+              balance_sum: bool = True, min_shards: bool = True,
+              max_shards: int | None = None) -> Placement:
     """BuddyRing placement of a packed batch (paper §4.2 / A.1; defaults from Table 1).
 
     Args:
@@ -604,6 +535,15 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
         order, so this only decides among placements with the same ``V``, profile, comm proxy
         and distinct groups; ``False`` is the paper's literal order, which minimises ``D_W``
         there and leaves ``D_T`` near its tolerance.
+      min_shards: not in the paper's search.  Also rank the min-shard candidates of
+        :mod:`buddyring_minshard` by the same key: the stages' best narrowed group by group
+        while both tolerances hold, and placements packed from fixed size vectors (the A.1
+        minimum sizes, Megatron-like sizes, every sequence on >= 2 devices).
+      max_shards: not in the paper's order.  When set, the final choice (stages' best vs the
+        min-shard candidates) ranks the shards above this cap right after ``V`` (e.g.
+        Megatron's shard count on the batch), and when the narrowed best is above the cap the
+        candidates are widened from their seeds until feasible.  The stages run as without a
+        cap; the tolerances still come first.
     Returns:
       ``Placement`` named ``"buddyring"``, groups index-aligned with ``lengths``.  When no
       placement meets both tolerances it is the best-ranked one over all relaxation stages
@@ -616,4 +556,4 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
         extreme_gpus=extreme_gpus, seqs_per_gpu=seqs_per_gpu, max_group_size=max_group_size,
         align=align, length_cutoffs=length_cutoffs,
         max_tokens_per_device=max_tokens_per_device, rank_shards=rank_shards,
-        balance_sum=balance_sum).placement
+        balance_sum=balance_sum, min_shards=min_shards, max_shards=max_shards).placement
