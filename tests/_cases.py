@@ -1,4 +1,6 @@
-"""Shared helpers for the MegaRing tests."""
+"""Shared helpers for the MegaRing and MegaDCP planner tests."""
+import dataclasses
+
 import numpy as np
 
 from liquidcp_jax import planning
@@ -21,3 +23,18 @@ def random_qkv(rng, T, hq, hkv, d, dtype=np.float32):
     k = rng.standard_normal((T, hkv, d)).astype(dtype)
     v = rng.standard_normal((T, hkv, d)).astype(dtype)
     return q, k, v
+
+
+def same_tables(a, b):
+    """Asserts two ``megadcp.DcpTables`` are equal field by field (int32 arrays and scalars); the
+    plan's evaluation count is ignored (the compiled search does not memoize: it may count one
+    more run)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "plan":
+            x, y = dataclasses.replace(x, evaluations=0), dataclasses.replace(y, evaluations=0)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype == np.int32 and x.shape == y.shape, f.name
+            assert np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name

@@ -1,10 +1,10 @@
 """MegaDCP descriptor tables: coverage, reductions, transfer blocks, capacities."""
-import dataclasses
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from _cases import same_tables
 from liquidcp_jax.planning import critical_wave as cw
 from liquidcp_jax.planning import megadcp as md
 
@@ -139,16 +139,6 @@ def test_bad_inputs():
 ENGINES = ["python"] + (["native"] if cw.native_available() else [])
 
 
-def _same_tables(a, b):
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "plan":  # the compiled search does not memoize: it may count one more run
-            x, y = dataclasses.replace(x, evaluations=0), dataclasses.replace(y, evaluations=0)
-        if isinstance(x, np.ndarray):
-            assert x.dtype == y.dtype == np.int32 and x.shape == y.shape, f.name
-            assert np.array_equal(x, y), f.name
-        else:
-            assert x == y, f.name
 
 
 @pytest.mark.skipif(not cw.native_available(), reason="compiled extension not built")
@@ -167,7 +157,7 @@ def test_native_tables_equal_python(hist, P, hq, data):
         kw["splits"] = [data.draw(st.integers(1, max(1, int(t)))) for t in t0]
     a = md.build_tables(hist, qlen, P, hq, engine="native", **kw)
     b = md.build_tables(hist, qlen, P, hq, engine="python", **kw)
-    _same_tables(a, b)
+    same_tables(a, b)
     _check_tables(a, hist, qlen)
 
 
@@ -180,7 +170,7 @@ def test_benchmark_sized_batch_engines_agree():
     tabs = [md.build_tables(hist, qlen, 4, 4, engine=e) for e in ENGINES]
     assert tabs[0].num_history_tasks > 500 and tabs[0].num_reductions > 1000
     for t in tabs[1:]:
-        _same_tables(t, tabs[0])
+        same_tables(t, tabs[0])
     _check_tables_fast(tabs[0], hist, qlen)
 
 

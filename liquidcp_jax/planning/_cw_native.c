@@ -21,7 +21,7 @@
 /* ------------------------------------------------------------------------------------------ */
 /* Python bindings                                                                             */
 
-static i64 *parse_vec(PyObject *o, const char *name, i64 *n_out) {
+i64 *parse_vec(PyObject *o, const char *name, i64 *n_out) {
     PyObject *f = PySequence_Fast(o, name);
     if (!f) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(f);

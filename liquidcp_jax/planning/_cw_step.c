@@ -23,6 +23,7 @@
 #include "_cw_core.h"
 
 PyObject *vec_tuple(const i64 *v, i64 n);
+i64 *parse_vec(PyObject *o, const char *name, i64 *n_out);  /* _cw_native.c */
 PyObject *plan_tuple(const PlanResult *r, i64 S);
 PyObject *pack_core(const i64 *q, const i64 *t0, const i64 *s, const i64 *local, const i64 *ep,
                     i64 S, i64 P, i64 H, i64 qtt, i64 cqt, i64 tile, int lpt, i64 copy_run,
@@ -31,21 +32,6 @@ long long fa3_heuristic_c(long long total, long long sms, long long nnb, long lo
                           long long size, int causal, long long maxs);
 
 static i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }  /* a >= 0, b >= 1 */
-
-static i64 *list_vec(PyObject *o, i64 *n_out) {
-    PyObject *f = PySequence_Fast(o, "expected a sequence of ints");
-    if (!f) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
-    i64 *v = xcalloc(n, sizeof(i64));
-    if (!v) { Py_DECREF(f); PyErr_NoMemory(); return NULL; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(f, i));
-        if (v[i] == -1 && PyErr_Occurred()) { Py_DECREF(f); free(v); return NULL; }
-    }
-    Py_DECREF(f);
-    *n_out = n;
-    return v;
-}
 
 /* split_search._fa3_reference with history_tokens = rank 0's shard: FA3's static count
  * (fa3.fa3_static_num_splits: hdim 128, one KV head, non-causal, varlen, <= 128 splits),
@@ -109,8 +95,8 @@ PyObject *dcp_step(PyObject *self, PyObject *args) {
     i64 *qt = NULL, *qb = NULL, *fa3 = NULL, *lim = NULL, *chosen = NULL, *srch = NULL;
     i64 *epochs = NULL, *s = NULL, *qoff = NULL;
     PyObject *arrays = NULL, *res = NULL;
-    if (!(hist = list_vec(o_hist, &S))) goto done;
-    if (!(q = list_vec(o_q, &n)) || n != S) goto bad;
+    if (!(hist = parse_vec(o_hist, "history", &S))) goto done;
+    if (!(q = parse_vec(o_q, "query", &n)) || n != S) goto bad;
     if (S < 1 || P < 1 || hq < 1 || tile < 1 || rpt < 1 || M < 1 || merge_run < 1 || K < 1
         || wpc < 1 || mdl < 1) goto bad;
     for (i64 i = 0; i < S; i++)
