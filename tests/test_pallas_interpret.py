@@ -163,7 +163,6 @@ def test_fused_backward_gpu_lowering(hq, hkv):
   """The fused dK/dV/dQ kernel (TMA reduce-add, not runnable in interpret mode) lowers to one
   Mosaic GPU call on CPU with both dQ splits, the float32 dQ accumulator aliased input -> output;
   the default config runs the two kernels."""
-  import re
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   sd = jax.ShapeDtypeStruct

@@ -236,22 +236,11 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     c_req, c_k = _ranges(c_cnt)
     c_tiles = -(-np.minimum(c_k * cqt + cqt, qlen[c_req]) // tile)
 
-    if splits is None:
-        # plan_splits without re-checking what was derived here from checked inputs (the
-        # same selection).
-        plan = ss._select(tiles0.tolist(), tiles0, qlen, (qlen * H).tolist(), c_tiles.tolist(),
-                          params, heads=H, rows_per_tile=rows_per_tile, hq=int(hq), copy_run=None,
-                          merge_run=int(merge_run), fa3=None, fa3_num_sms=None, tile_tokens=tile,
-                          toks=local[0], num_comm_ctas=num_comm_ctas, dcp=P,
-                          decode_max_query=ss.DECODE_MAX_QUERY,
-                          min_decode_limit=ss.MIN_DECODE_LIMIT, min_gain=ss.MIN_GAIN, lim=None,
-                          fixed=None, eng=eng, prune=True)
-    else:
-        plan = plan_splits(tiles0.tolist(), qlen.tolist(), params, heads=H,
-                           rows_per_tile=rows_per_tile, vectors=(qlen * H).tolist(),
-                           chunk_tiles=c_tiles.tolist(), hq=hq, merge_run=merge_run,
-                           tile_tokens=tile, history_tokens=local[0].tolist(),
-                           num_comm_ctas=num_comm_ctas, dcp=P, fixed_splits=splits, engine=eng)
+    plan = plan_splits(tiles0.tolist(), qlen.tolist(), params, heads=H,
+                       rows_per_tile=rows_per_tile, vectors=(qlen * H).tolist(),
+                       chunk_tiles=c_tiles.tolist(), hq=hq, merge_run=merge_run,
+                       tile_tokens=tile, history_tokens=local[0].tolist(),
+                       num_comm_ctas=num_comm_ctas, dcp=P, fixed_splits=splits, engine=eng)
     s = np.asarray(plan.splits, dtype=np.int64)
     s = np.where(tiles0 > 0, s, 0)  # no history, no history tasks
     args = (qlen, tiles0, s, local, P, H, qtt, cqt, tile, plan.order, plan.epochs,
@@ -275,23 +264,34 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
 _REQ_FIELDS = ("req_history", "req_query", "req_query_offset", "req_splits", "req_local_len")
 
 
-def _build_native(hist, qlen, P, hq, tile, rows_per_tile, num_comm_ctas, merge_run, params, cap):
-    """:func:`build_tables` with the planner (no fixed splits) in one compiled call
-    (``_cw_step.c``): the same plan and tables as the step-by-step path, without its ~0.1 ms
-    of Python around the compiled search and packer."""
-    S = hist.size
+def _table_allocator(P, cap, requests=None):
+    """``(alloc, counts, out)`` for the compiled packer: it calls ``alloc(row_counts)`` once;
+    ``alloc`` records the counts in ``counts``, appends the zeroed int32 tables of
+    ``_PACK_FIELDS`` (capacities from ``cap``) to ``out`` and, with ``requests`` (the one-call
+    step), the request tables: 4 of ``[R_cap]`` then ``req_local_len`` ``[P, R_cap]``."""
     counts, out = {}, []
 
-    def alloc(n):  # called once by the packer with the row counts
+    def alloc(n):
         counts.update(zip(("chunk", "history", "reductions", "reduction_inputs", "finals",
                            "blocks"), n))
         caps = {k: cap(k, v) for k, v in counts.items()}
         out.extend(np.zeros((P, caps[key]) if name in ("hist_kv_start", "hist_kv_end")
                             else caps[key], dtype=np.int32) for key, name in _PACK_FIELDS)
-        R = cap("requests", S)
-        out.extend(np.zeros(R, dtype=np.int32) for _ in range(4))
-        out.append(np.zeros((P, R), dtype=np.int32))
+        if requests is not None:
+            R = cap("requests", requests)
+            out.extend(np.zeros(R, dtype=np.int32) for _ in range(4))
+            out.append(np.zeros((P, R), dtype=np.int32))
         return tuple(out)
+
+    return alloc, counts, out
+
+
+def _build_native(hist, qlen, P, hq, tile, rows_per_tile, num_comm_ctas, merge_run, params, cap):
+    """:func:`build_tables` with the planner (no fixed splits) in one compiled call
+    (``_cw_step.c``): the same plan and tables as the step-by-step path, without its ~0.1 ms
+    of Python around the compiled search and packer."""
+    S = hist.size
+    alloc, counts, out = _table_allocator(P, cap, requests=S)
 
     native, fa3, limits, num_epochs = cw._cw_native.step(
         hist.tolist(), qlen.tolist(), P, hq, tile, rows_per_tile, num_comm_ctas, merge_run,
@@ -310,15 +310,7 @@ def _build_native(hist, qlen, P, hq, tile, rows_per_tile, num_comm_ctas, merge_r
 
 def _pack_native(qlen, tiles0, s, local, P, H, qtt, cqt, tile, order, epochs, copy_run,
                  merge_run, per_epoch, delta_attn, cap):
-    counts, out = {}, []
-
-    def alloc(n):  # called once by the C packer with the row counts
-        counts.update(zip(("chunk", "history", "reductions", "reduction_inputs", "finals",
-                           "blocks"), n))
-        caps = {k: cap(k, v) for k, v in counts.items()}
-        out.extend(np.zeros((P, caps[key]) if name in ("hist_kv_start", "hist_kv_end")
-                            else caps[key], dtype=np.int32) for key, name in _PACK_FIELDS)
-        return tuple(out)
+    alloc, counts, out = _table_allocator(P, cap)
 
     num_epochs = cw._cw_native.pack(
         qlen.tolist(), tiles0.tolist(), s.tolist(), local.reshape(-1).tolist(), P, H, qtt, cqt,

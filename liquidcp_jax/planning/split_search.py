@@ -251,8 +251,7 @@ def plan_splits(history_tiles: Sequence[int], query_tokens: Sequence[int], param
 def _select(tiles, tiles_a, qs_a, vec, chunk, params, *, heads, rows_per_tile, hq, copy_run,
             merge_run, fa3, fa3_num_sms, tile_tokens, toks, num_comm_ctas, dcp, decode_max_query,
             min_decode_limit, min_gain, lim, fixed, eng, prune) -> SplitPlan:
-    """:func:`plan_splits` after its input checks (``megadcp.build_tables`` calls it directly
-    with inputs it derived from checked ones): ``tiles`` list and ``tiles_a`` / ``qs_a`` int64
+    """:func:`plan_splits` after its input checks: ``tiles`` list and ``tiles_a`` / ``qs_a`` int64
     arrays, ``vec`` / ``chunk`` lists, ``fa3`` / ``fixed`` tuples or None, ``lim`` (max_splits)
     int64 array or None, ``toks`` (history_tokens) int64 array or None, ``eng`` resolved."""
     S = len(tiles)
