@@ -423,6 +423,8 @@ def plan(a):
     dense, tokens, datasets = (8192, 32768), (65536, 131072), DATASETS
   if a.tokens:
     tokens = tuple(workloads.parse_tokens(x) for x in a.tokens.split(","))
+  if a.dense:
+    dense = tuple(workloads.parse_tokens(x) for x in a.dense.split(","))
   if a.datasets:
     datasets = tuple(a.datasets.split(","))
   cases = [("dense", f"S={s}", np.array([s])) for s in dense]
@@ -493,6 +495,8 @@ def main():
   ap.add_argument("--datasets", default=None, help="comma list restricting the packed datasets")
   ap.add_argument("--tokens", default=None, help="comma list restricting the packed token counts, "
                   "e.g. 64K")
+  ap.add_argument("--dense", default=None, help="comma list of dense sequence lengths, e.g. 8K,32K "
+                  "(overrides --quick's 8K)")
   ap.add_argument("--interleave", action="store_true",
                   help="dense section: time the implementations round-robin (see "
                   "Bench.measure_interleaved) instead of one after another")

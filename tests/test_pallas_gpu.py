@@ -101,12 +101,14 @@ def test_dense_large_causal():
 
 _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=128, fused=False),
                 dict(overlap=False, block_kv_dq=128, fused=False),
-                dict(overlap=True, max_concurrent_steps=3, fused=False), dict(fused=True)]
+                dict(overlap=True, block_kv_dq=64, max_concurrent_steps=3, fused=False),
+                dict(fused=True), dict(fused=True, max_concurrent_steps=3)]
 
 
 @pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
 @pytest.mark.parametrize("cfg", _BWD_CONFIGS,
-                         ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused"])
+                         ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused",
+                              "fused-mcs3"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])

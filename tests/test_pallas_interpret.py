@@ -124,17 +124,18 @@ def test_bwd_config_validation():
   k = jnp.zeros((256, 1, 128), jnp.bfloat16)
   lse = jnp.zeros((2, 256), jnp.float32)
   tab = np.zeros((1, 12), np.int32)
-  # block_q_dkv=128 at head_dim 128 does not fit in the 227 KiB of SMEM of a Hopper SM
+  # block_q_dkv=128 with a 3-slot ring at head_dim 128 does not fit in the 227 KiB of SMEM
   with pytest.raises(ValueError, match="SMEM"):
     bwd.dkv_kernel_call(q, k, k, q, lse, lse, tab, 1, causal=True, sm_scale=1.0,
-                        config=bwd.BwdTuningConfig(block_q_dkv=128), interpret=True)
+                        config=bwd.BwdTuningConfig(block_q_dkv=128, max_concurrent_steps=3),
+                        interpret=True)
   assert bwd.smem_bytes("dq", bwd.BwdTuningConfig(block_kv_dq=128), 128) <= bwd._SMEM_LIMIT
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("bkv_dq,bq_dkv,mcs,d", [(64, 64, 2, 128), (128, 64, 2, 128),
                                                  (128, 128, 2, 64), (64, 64, 3, 128),
-                                                 (128, 64, 3, 128)])
+                                                 (128, 64, 3, 128), (64, 64, 4, 128)])
 def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
   """The GPU code path (register-LHS wgmma, paired wgmmas with wait_group(1)), which interpret
   mode does not run, lowers to Mosaic GPU for every exposed config, on CPU; configs over the SMEM
@@ -169,6 +170,7 @@ def test_fused_backward_gpu_lowering(hq, hkv):
   q, k = sd((640, hq, 128), jnp.bfloat16), sd((640, hkv, 128), jnp.bfloat16)
   lse, seg = sd((640, hq), jnp.float32), sd((3,), jnp.int32)
   for cfg, n_calls in ((bwd.BwdTuningConfig(fused=True), 1), (bwd.BwdTuningConfig(), 2),
+                       (bwd.BwdTuningConfig(fused=True, max_concurrent_steps=3), 1),
                        (bwd.BwdTuningConfig(fused=True, fused_split="wg"), 1)):
     f = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(*a, causal=True,
                                                                      sm_scale=0.1, config=cfg))
@@ -187,7 +189,10 @@ def test_fused_backward_rejects_unsupported():
   assert not fused.supports(bwd.BwdTuningConfig(), 64)[0]
   assert fused.supports(bwd.BwdTuningConfig(fused_split="wg"), 64) == (True, "")
   assert not fused.supports(bwd.BwdTuningConfig(block_q_dkv=128), 128)[0]
-  assert "SMEM" in fused.supports(bwd.BwdTuningConfig(max_concurrent_steps=3), 128)[1]
+  assert fused.supports(bwd.BwdTuningConfig(max_concurrent_steps=3), 128) == (True, "")
+  assert "SMEM" in fused.supports(bwd.BwdTuningConfig(max_concurrent_steps=4), 128)[1]
+  assert "SMEM" in fused.supports(bwd.BwdTuningConfig(fused_split="wg", max_concurrent_steps=3),
+                                  128)[1]
   with pytest.raises(ValueError, match="fused"):
     bwd.BwdTuningConfig(fused="yes")
   with pytest.raises(ValueError, match="fused_split"):

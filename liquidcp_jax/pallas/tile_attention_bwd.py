@@ -196,7 +196,7 @@ def smem_bytes(kind: str, config: BwdTuningConfig, head_dim: int, itemsize: int 
   if kind == "dq":
     bufs = [rows(2 * _ROWS)] * 3 + [rows(mcs * config.block_kv_dq)] * 2 + [_aligned(4 * _ROWS * 4)]
   elif kind == "dkv":
-    bufs = ([rows(2 * _ROWS)] * 4 + [rows(mcs * config.block_q_dkv)] * 2
+    bufs = ([rows(2 * _ROWS)] * 3 + [rows(mcs * config.block_q_dkv)] * 2
             + [_aligned(mcs * config.block_q_dkv * 4)] * 2)
   else:
     raise ValueError(f"kind must be 'dq' or 'dkv', got {kind!r}")
@@ -387,8 +387,8 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
     )
 
   return plgpu.kernel(
-      entry, out_type=jax.ShapeDtypeStruct((tq, hq, d), dtype), grid=(hq, n_tasks),
-      grid_names=("heads", "tasks"), num_threads=3, thread_name="wg",
+      entry, out_type=jax.ShapeDtypeStruct((tq, hq, d), dtype), grid=(n_tasks, hq),
+      grid_names=("tasks", "heads"), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **_kw(interpret),
   )(table, q, k, v, do, lse2, delta)
 
@@ -410,7 +410,7 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
   _check_smem("dkv", config, d, jnp.dtype(dtype).itemsize)
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, sc):
-    (k_s2, v_s2, q_s, do_s, lse_s, dl_s, ok_s2, ov_s2, st_s2), in_bars, bars, used = sc
+    (k_s2, v_s2, q_s, do_s, lse_s, dl_s, o_s2, st_s2), in_bars, bars, used = sc
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = reverse_task_scalars(tab)
 
     @pl.when(wg < 2)
@@ -467,16 +467,16 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
                                  carry)
 
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
-      ok_s, ov_s = ok_s2.at[wg], ov_s2.at[wg]
-      ok_s[...] = (dk * sm_scale).astype(dtype)
-      ov_s[...] = dv.astype(dtype)
-      plgpu.commit_smem()
+      # dK then dV through one staging buffer: the SMEM it saves pays for a deeper Q/dO ring.
+      o_s = o_s2.at[wg]
       lo = jnp.clip(get("q_lo") - r0, 0, _ROWS)
       hi = jnp.clip(get("q_hi") - r0, 0, _ROWS)
-      _ladder_store(ok_s, lambda off, n: dk_ref.at[pl.ds(row_base + r0 + off, n), kvh], lo,
-                    hi - lo, _ROWS)
-      _ladder_store(ov_s, lambda off, n: dv_ref.at[pl.ds(row_base + r0 + off, n), kvh], lo,
-                    hi - lo, _ROWS)
+      for val, dst in (((dk * sm_scale).astype(dtype), dk_ref), (dv.astype(dtype), dv_ref)):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_s[...] = val
+        plgpu.commit_smem()
+        _ladder_store(o_s, lambda off, n, dst=dst: dst.at[pl.ds(row_base + r0 + off, n), kvh], lo,
+                      hi - lo, _ROWS)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -497,7 +497,6 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
         plgpu.SMEM((mcs, bc), jnp.float32),
         plgpu.SMEM((mcs, bc), jnp.float32),
         plgpu.SMEM((2, _ROWS, d), dtype),
-        plgpu.SMEM((2, _ROWS, d), dtype),
         plgpu.SMEM((2, _ROWS, bc), dtype, transforms=_TF()) if interpret else None,
     ]
     pl.run_scoped(
@@ -511,7 +510,7 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
 
   shp = jax.ShapeDtypeStruct((tk, hkv, d), dtype)
   return plgpu.kernel(
-      entry, out_type=(shp, shp), grid=(hkv, n_tasks), grid_names=("heads", "tasks"),
+      entry, out_type=(shp, shp), grid=(n_tasks, hkv), grid_names=("tasks", "heads"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **_kw(interpret),
   )(table, q, k, v, do, lse2, delta)

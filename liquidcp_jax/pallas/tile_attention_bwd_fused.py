@@ -61,10 +61,10 @@ def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int =
           + [al(mcs * bc * d * itemsize)] * 2             # Q, dO ring
           + [al(mcs * bc * 4)] * 2                        # lse, delta ring
           + [al(2 * _ROWS * bc * itemsize)])              # dS^T of both warpgroups
-  if config.fused_split == "pair":
-    bufs += [al(2 * bc * (d // 2) * 4), al(2 * _ROWS * d * itemsize)]  # dQ_part, dK/dV staging
-  else:
-    bufs += [al(2 * bc * d * 4)]  # dQ_part staging, reused (f32) for the dK/dV output
+  half = d // 2 if config.fused_split == "pair" else d
+  odt_size = itemsize if config.fused_split == "pair" else 4
+  # Per warpgroup, one RefUnion: the dQ_part staging buffers, then the dK / dV output staging.
+  bufs += [max(al(bc * half * 4), al(_ROWS * d * odt_size))] * 2
   return sum(bufs) + 1024
 
 
@@ -90,7 +90,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   scale2 = float(sm_scale) * bwd_lib._LOG2E
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
-    (k_s, v_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, o_s), kv_bar, bars, used, ds_bars = sc
+    (k_s, v_s, q_s, do_s, lse_s, dl_s, ds_s, *stage), kv_bar, bars, used, ds_bars = sc
     ds_ready, ds_free = ds_bars
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = bwd_lib.reverse_task_scalars(tab)
 
@@ -109,6 +109,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       # pair: dQ[:, w-th half of D] = dS (both warpgroups' keys) K[:, half]; wg: dQ partial over
       # this warpgroup's 64 keys, all of D.
       k_half = k_s.at[:, pl.ds(w * half, half)] if pair else k_w
+      # This warpgroup's own staging (a RefUnion): dQ_part in the loop, then dK / dV.
+      dq_s, out = stage[w]
       ds_lhs = ds_s if pair else ds_s.at[my_rows]
       zero = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       zero_q = plgpu.layout_cast(jnp.full((bc, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -133,10 +135,12 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.barrier_wait(q_bar)
         plgpu.barrier_wait(do_bar)
         pt, dpt = bwd_lib._mm_t_pair(k_w, q_s.at[slot], v_w, do_s.at[slot], (_ROWS, bc), probs_t)
+
+        # dS^T is staged before the three wgmmas are issued. Issuing dV first and computing dS^T
+        # under it measured slower on the H200 (300 vs 344-369 TFLOP/s, dense 8K; RESULTS.md).
         plgpu.barrier_wait(dl_bar)
         dl = plgpu.load(dl_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds = (pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))).astype(dtype)
-
         if pair:
           # ds_s is read by both warpgroups' previous dQ wgmma: wait until both are done.
           @pl.when(c > 0)
@@ -161,13 +165,14 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.barrier_arrive(used.at[slot])
         if pair:
           plgpu.barrier_arrive(ds_free)
-        # The previous reduce-add must have read dq_s before it is overwritten.
+        # The previous reduce-add must have read dq_s before it is overwritten. (Two staging
+        # buffers, letting one reduce-add stay in flight, measured no faster on the H200.)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        dq_s[w] = dq
+        dq_s[...] = dq
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            dq_s.at[w], acc_ref.at[pl.ds(col_base + j * bc, bc), qh,
-                                   pl.ds(w * half, half) if pair else slice(None)],
+            dq_s, acc_ref.at[pl.ds(col_base + j * bc, bc), qh,
+                                     pl.ds(w * half, half) if pair else slice(None)],
             reduction_op="add")
         return dk, dv
 
@@ -178,7 +183,6 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
       lo = jnp.clip(q_lo - r0, 0, _ROWS)
       hi = jnp.clip(q_hi - r0, 0, _ROWS)
-      out = o_s.at[w] if pair else dq_s.at[w]
       odt = dtype if pair else jnp.float32
       for val, dst in (((dk * sm_scale).astype(odt), dk_ref), (dv.astype(odt), dv_ref)):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -213,9 +217,9 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.SMEM((mcs, bc), jnp.float32),
         plgpu.SMEM((mcs, bc), jnp.float32),
         plgpu.SMEM((2 * _ROWS, bc), dtype, transforms=_TF()),
-        plgpu.SMEM((2, bc, half), jnp.float32),
-        plgpu.SMEM((2, _ROWS, d), dtype) if pair else None,
-    ]
+    ] + [plgpu.RefUnion(plgpu.SMEM((bc, half), jnp.float32),
+                        plgpu.SMEM((_ROWS, d), dtype if pair else jnp.float32))
+         for _ in range(2)]
     pl.run_scoped(
         lambda *a: kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref,
                           dv_ref, a),
@@ -229,7 +233,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
 
   shp = jax.ShapeDtypeStruct((tk, hkv, d), dtype if pair else jnp.float32)
   dk, dv = plgpu.kernel(
-      entry, out_type=(shp, shp), grid=(hkv, n_tasks), grid_names=("heads", "tasks"),
+      entry, out_type=(shp, shp), grid=(n_tasks, hkv), grid_names=("tasks", "heads"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(table, q, k, v, do, lse2, delta, dq_acc)

@@ -336,7 +336,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
   if interpret:
     kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="zero")
   return plgpu.kernel(
-      entry, out_type=out_type, grid=(hq, n_tasks), grid_names=("heads", "tasks"),
+      entry, out_type=out_type, grid=(n_tasks, hq), grid_names=("tasks", "heads"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **kw,
   )(table, q, k, v)
