@@ -213,7 +213,7 @@ def _check_smem(kind, config, head_dim, itemsize):
 
 
 def reverse_task_scalars(tab):
-  """This CTA's task of a reverse table (grid ("heads", "tasks"), thread axis "wg"): (KV head,
+  """This CTA's task of a reverse table (grid ("tasks", "heads"), thread axis "wg"): (KV head,
   warpgroup, field getter, t_lo, n_tiles, nt = n_tiles - t_lo query tiles, row_base of its 128
   keys, col_base of its query tiles)."""
   from liquidcp_jax.pallas.tables import F, ROW_ALIGN

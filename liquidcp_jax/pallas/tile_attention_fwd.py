@@ -336,6 +336,9 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
   if interpret:
     kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="zero")
   return plgpu.kernel(
+      # Mosaic GPU launches the last grid axis fastest (CUDA x): heads, so that CTAs start in the
+      # table's heaviest-first task order (a tasks-fastest launch ran every head's light tasks
+      # before the next head's heavy ones and left a long tail at 8K).
       entry, out_type=out_type, grid=(n_tasks, hq), grid_names=("tasks", "heads"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **kw,
