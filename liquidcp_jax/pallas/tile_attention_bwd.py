@@ -82,8 +82,8 @@ class BwdTuningConfig:
   ``fused=True``: compute dQ inside the dK/dV kernel (:mod:`tile_attention_bwd_fused`, 5 matmuls
   per tile pair instead of 7, dQ added with TMA reduce-adds into a float32 accumulator; GPU only,
   ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module). Off by
-  default: on the H200 it measured slower than the two kernels (dense 8K backward 326 / 293
-  TFLOP/s for pair / wg vs 362; RESULTS.md, 2026-12-03)."""
+  default: on the H200 "pair" beat the two kernels on dense causal 8K (400 vs 385 TFLOP/s) but lost
+  on a packed Pile-CC 64K batch (293 vs 338); RESULTS.md, 2026-12-03 third session."""
   block_kv_dq: int = 128
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2

@@ -17,7 +17,8 @@ every q head of the group (64 queries per tile) and, per tile,
 The accumulator is a ``jax.Ref`` (zeros) passed in; the wrapper scales it by ``sm_scale`` and casts.
 ``block_q_dkv=64`` (SMEM). The GPU interpreter has no TMA reduce-add, so this kernel runs on the
 GPU only; on CPU its lowering is checked (SMEM budget, layouts). Measured on the H200 (RESULTS.md,
-2026-12-03) it is correct but 7-20 % slower than the two-kernel backward, hence opt-in
+2026-12-03 third session) it is correct; on dense causal 8K it is faster than the two-kernel backward
+(400 vs 385 TFLOP/s), on a packed Pile-CC 64K batch slower (293 vs 338), hence opt-in
 (``BwdTuningConfig(fused=True)``).
 Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
 are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
