@@ -43,9 +43,9 @@ def timeit(f, *a, n):
 
 def fwd_interleaved(q, k, v, seg, scale, flops, n, emit):
   fns = {}
-  for pers in (False, True):
-    c = fwd.TuningConfig(persistent=pers)
-    fns[f"fwd persistent={pers}"] = jax.jit(
+  for pers, named in ((False, False), (True, False), (False, True), (True, True)):
+    c = fwd.TuningConfig(persistent=pers, named_sched=named)
+    fns[f"fwd persistent={pers}" + (" named_sched" if named else "")] = jax.jit(
         lambda q, k, v, *sg, c=c: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
                                                        config=c)[0])
   cud = jax.jit(lambda q, k, v, *sg: jax.nn.dot_product_attention(

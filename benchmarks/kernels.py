@@ -5,7 +5,7 @@ Sections (in this order, so that a time budget cuts the least important part):
             (``jax.nn.dot_product_attention(implementation="cudnn")``) vs tokamax's Mosaic GPU
             attention (``implementation="mosaic"``, where it imports and runs), fwd and fwd+bwd.
   variants  (``--variants``) our kernels under several configs on dense 8K and one packed short
-            batch: fwd ``TuningConfig()`` vs ``persistent=True`` (if the field exists), backward
+            batch: fwd plain grid vs ``persistent=True``, each with and without ``named_sched``, backward
             only (dQ + dK/dV kernels, ``pallas_segment_attention_bwd``) for
             ``BwdTuningConfig(overlap=True, block_kv_dq, fused=False)``, block_kv_dq in {64, 128},
             and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg").
@@ -373,11 +373,10 @@ def bench_packed(b, label, lens, cap, n):
 
 
 def variant_configs():
-  fwd = [("fwd default", api.TuningConfig())]
-  try:
-    fwd.append(("fwd persistent", api.TuningConfig(persistent=True)))
-  except Exception as e:  # the field may not exist yet
-    fwd.append(("fwd persistent", f"unavailable: {type(e).__name__}: {e}"))
+  fwd = [("fwd plain", api.TuningConfig(persistent=False)),
+         ("fwd persistent", api.TuningConfig(persistent=True)),
+         ("fwd plain named_sched", api.TuningConfig(persistent=False, named_sched=True)),
+         ("fwd persistent named_sched", api.TuningConfig(persistent=True, named_sched=True))]
   bwd = [(f"bwd overlap=True block_kv_dq={bk}",
           bwd_lib.BwdTuningConfig(overlap=True, block_kv_dq=bk, fused=False)) for bk in (64, 128)]
   bwd.append(("bwd fused pair", bwd_lib.BwdTuningConfig(fused=True)))

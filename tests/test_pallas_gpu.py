@@ -43,9 +43,20 @@ def _inputs(seed, lens, gaps, hq, hkv, d, dtype):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_forward_matches_float64(case, causal):
+  _check_forward(case, causal, None)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("case", [0, 2])
+def test_forward_named_sched_matches_float64(case, persistent):
+  """The opt-in hardware named-barrier ping-pong (TuningConfig.named_sched)."""
+  _check_forward(case, True, api.TuningConfig(persistent=persistent, named_sched=True))
+
+
+def _check_forward(case, causal, config):
   q, k, v, qs, ks, ln, n = _inputs(100 + case + 10 * causal, *CASES[case])
   scale = 1.0 / np.sqrt(q.shape[-1])
-  f = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale))
+  f = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale, config=config))
   # poison: a first call on different data, so stale buffers cannot pass as results
   jax.block_until_ready(f(q * 0 + jnp.nan, k, v, qs, ks, ln, n))
   out, lse = f(q, k, v, qs, ks, ln, n)

@@ -10,6 +10,34 @@ from liquidcp_jax.pallas import tile_attention_fwd as fwd
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_interpret_forward_varlen(causal, persistent):
+  _check_interpret_forward(causal, api.TuningConfig(persistent=persistent))
+
+
+def test_interpret_forward_named_sched_falls_back():
+  """named_sched=True in interpret mode runs the mbarrier ping-pong (same results)."""
+  _check_interpret_forward(True, api.TuningConfig(persistent=False, named_sched=True))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_forward_named_sched_gpu_lowering(persistent):
+  """named_sched=True puts the hardware named barrier (bar.sync 4, 256: both compute warpgroups)
+  into the lowered Mosaic GPU kernel; the default does not."""
+  import jax
+  sd = jax.ShapeDtypeStruct
+  q, k, seg = sd((640, 8, 128), jnp.bfloat16), sd((640, 2, 128), jnp.bfloat16), sd((3,), jnp.int32)
+  for named in (False, True):
+    cfg = api.TuningConfig(persistent=persistent, named_sched=named)
+    f = jax.jit(lambda *a, cfg=cfg: api.varlen_attention(*a, causal=True, sm_scale=0.1,
+                                                         config=cfg))
+    txt = f.trace(q, k, k, seg, seg, seg, sd((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+    assert ("bar.sync 4, 256" in txt) == named
+  with pytest.raises(ValueError, match="named_sched"):
+    api.TuningConfig(named_sched=1)
+
+
+def _check_interpret_forward(causal, config):
   # lengths 1 / 101 / 70 with a gap of 3 rows and 6 uncovered rows at the end
   rng = np.random.default_rng(11 + causal)
   t, hq, hkv, d = 184, 2, 1, 64
@@ -20,8 +48,7 @@ def test_interpret_forward_varlen(causal, persistent):
   k = jnp.asarray(rng.standard_normal((172, hkv, d)), jnp.float16)
   v = jnp.asarray(rng.standard_normal((172, hkv, d)), jnp.float16)
   out, lse = api.varlen_attention(q, k, v, qs, ks, ln, 3, causal=causal, sm_scale=0.125,
-                                  interpret=True,
-                                  config=api.TuningConfig(persistent=persistent))
+                                  interpret=True, config=config)
   z = np.zeros(4, np.int32)
   ro, rl = fwd.reference_attention(q, k, v, qs, ln, ks, ln, z, z, 3, causal=causal,
                                    sm_scale=0.125)

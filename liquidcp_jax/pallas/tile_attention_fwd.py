@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from liquidcp_jax.pallas import tables as tables_lib
 
@@ -37,12 +38,16 @@ class TuningConfig:
   ``persistent``: one CTA per SM walking the (task, head) items (see
   :mod:`tile_attention_fwd_persistent`); ``None`` (default) picks it by :meth:`use_persistent`.
   ``num_ctas`` overrides the persistent grid size (default: SM count).
+  ``named_sched``: the two compute warpgroups' ping-pong uses a hardware named barrier
+  (``bar.sync``, one instruction) instead of an SMEM mbarrier arrive + wait loop. Opt-in and not
+  yet measured on the H200; GPU only (interpret mode keeps the mbarrier, same semantics).
   """
   block_q: int = 64
   block_kv: int = 128
   max_concurrent_steps: int = 2
   persistent: bool | None = None
   num_ctas: int | None = None
+  named_sched: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -55,6 +60,8 @@ class TuningConfig:
       raise ValueError(f"persistent must be None, True or False, got {self.persistent!r}")
     if self.num_ctas is not None and self.num_ctas < 1:
       raise ValueError(f"num_ctas must be None or >= 1, got {self.num_ctas}")
+    if not isinstance(self.named_sched, bool):
+      raise ValueError(f"named_sched must be a bool, got {self.named_sched!r}")
 
   # Mean segment-capacity length at and above which the plain grid wins (H200, 2026-12-03,
   # RESULTS.md): dense causal 32K ran 598 TFLOP/s plain vs 559 persistent, while packed 64K
@@ -106,6 +113,29 @@ class StepCtx(NamedTuple):
   causal: bool
   scale2: float
   interpret: bool
+  named_sched: bool = False
+
+  def sched_sync(self):
+    """Both compute warpgroups meet (the ping-pong's hand-over)."""
+    if self.named_sched and not self.interpret:
+      named_barrier_sync(SCHED_BARRIER_ID, 2 * 128)
+    else:
+      plgpu.barrier_arrive(self.sched)
+      plgpu.barrier_wait(self.sched)
+
+
+# Mosaic GPU's own named barriers: 0 (CTA-wide) and 1 + warpgroup index (warpgroup-wide).
+SCHED_BARRIER_ID = 4
+
+
+def named_barrier_sync(barrier_id: int, num_threads: int):
+  """``bar.sync barrier_id, num_threads``: waits until ``num_threads`` threads (whole warps) of the
+  CTA have reached this hardware barrier. GPU only (the interpreter has no inline Mosaic GPU)."""
+  @plgpu.inline_mgpu()
+  def op(_):
+    mgpu_utils.inline_ptx(f"bar.sync {barrier_id}, {num_threads};", has_side_effects=True)
+
+  op()
 
 
 def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
@@ -117,13 +147,9 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   bq, bkv = cx.bq, cx.bkv
   slot = cx.slot_of(j)
 
-  def sched_sync():
-    plgpu.barrier_arrive(cx.sched)
-    plgpu.barrier_wait(cx.sched)
-
   def qk_scope(s_ref):
     plgpu.wgmma(s_ref, cx.q_smem, cx.k_smem.at[slot].transpose((1, 0)))
-    sched_sync()
+    cx.sched_sync()
     return s_ref[...]
 
   s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
@@ -150,9 +176,14 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   l_i = l_i * alpha + p.sum(axis=1)
   p16 = p.astype(cx.dtype)
   acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-  plgpu.barrier_arrive(cx.sched)
-  plgpu.barrier_wait(cx.v_bar.at[slot])
-  plgpu.barrier_wait(cx.sched)
+  if cx.named_sched and not cx.interpret:
+    # A named barrier cannot arrive early and wait later: wait for V first, then meet.
+    plgpu.barrier_wait(cx.v_bar.at[slot])
+    cx.sched_sync()
+  else:
+    plgpu.barrier_arrive(cx.sched)
+    plgpu.barrier_wait(cx.v_bar.at[slot])
+    plgpu.barrier_wait(cx.sched)
 
   def prefetch_wait():
     nxt = j + 1
@@ -235,10 +266,6 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
     q_base = pl.multiple_of(get("q_base"), tables_lib.ROW_ALIGN)
     kv_base = pl.multiple_of(get("kv_base"), tables_lib.ROW_ALIGN)
 
-    def sched_sync():
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
@@ -258,17 +285,16 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       def _():
         plgpu.barrier_wait(k_bar.at[0])
 
-      pl.when(wg == 1)(sched_sync)
-
       cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar, v_bar,
                    k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                    lambda i: lax.rem(i, jnp.int32(mcs)), bq, bkv, d, dtype, causal, scale2,
-                   interpret)
+                   interpret, config.named_sched)
+      pl.when(wg == 1)(cx.sched_sync)
       step = functools.partial(softmax_step, cx)
 
       carry = (acc, m_i, l_i)
       acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
-      pl.when(wg == 0)(sched_sync)
+      pl.when(wg == 0)(cx.sched_sync)
 
       empty = l_i == 0.0
       inv_l = 1.0 / jnp.where(empty, 1.0, l_i)

@@ -82,10 +82,6 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       head = item - task * hq
       return live, task, head
 
-    def sched_sync():
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
@@ -116,12 +112,11 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           def _():
             plgpu.barrier_wait(k_bar.at[lax.rem(c0, jnp.int32(mcs))])
 
-          pl.when(wg == 1)(sched_sync)
-
           cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar,
                        v_bar, k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                        lambda i: lax.rem(c0 + i, jnp.int32(mcs)), bq, bkv, d, dtype, causal,
-                       scale2, interpret)
+                       scale2, interpret, config.named_sched)
+          pl.when(wg == 1)(cx.sched_sync)
 
           def step(j, carry, masked):
             def release_q():
@@ -133,7 +128,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           carry = (acc, m_i, l_i)
           acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
           pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # gap task: no Q K^T
-          pl.when(wg == 0)(sched_sync)
+          pl.when(wg == 0)(cx.sched_sync)
 
           empty = l_i == 0.0
           inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
