@@ -173,7 +173,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
             dq_s, acc_ref.at[pl.ds(col_base + j * bc, bc), qh,
-                                     pl.ds(w * half, half) if pair else slice(None)],
+                             pl.ds(w * half, half) if pair else slice(None)],
             reduction_op="add")
         return dk, dv
 
