@@ -17,7 +17,8 @@ the literal order, repair spends the tolerance slack on ``D_W`` alone and
 FreeLaw 128K ends at mean ``D_T`` 8.1 % against the paper's 6.4 %
 (``benchmarks/RESULTS.md``).  ``rank_shards=True`` (an experiment, off) ranks
 the shard count right after ``V``; ``max_shards`` (off) ranks the shards above a
-cap right after ``V`` in the final choice (not the paper's order either).
+cap right after ``V`` in the final choice (not the paper's order either) and, when
+nothing meets the cap, runs the cap-directed search of :mod:`buddyring_capsearch`.
 
 Min-shard candidates (``min_shards=True``, :mod:`buddyring_minshard`): after the
 stages, the best placement is narrowed group by group while both tolerances
@@ -46,11 +47,13 @@ from typing import Sequence
 
 import numpy as np
 
+from liquidcp_jax.planning.baselines import megatron_hybrid_cp
 from liquidcp_jax.planning.metrics import (ALIGN, LENGTH_CUTOFFS, attention_work, length_class,
                                            min_group_sizes, padded_length)
 from liquidcp_jax.planning._pareto import crowding_distance, dense_rank, nondominated
 from liquidcp_jax.planning.buddyring_fillers import _Beam, _place_fillers
-from liquidcp_jax.planning.buddyring_minshard import candidates
+from liquidcp_jax.planning.buddyring_capsearch import cap_search
+from liquidcp_jax.planning.buddyring_minshard import balance, candidates
 from liquidcp_jax.planning.placement import Group, Placement, _is_pow2, validate_lengths
 
 _HASH = (np.random.default_rng(20261202).integers(1, 2 ** 62, size=4096) | 1).astype(np.int64)
@@ -68,8 +71,9 @@ class BuddyRingResult:
       d_t, d_w: token and attention imbalance of ``placement``.
       stage: relaxation stage that produced it (0: structural beam + local fillers).
       stages_run: stages searched (skipped duplicates not counted).
-      source: ``"beam"`` (the stages' best) or ``"min_shard"`` (a candidate of
-        :func:`buddyring_minshard.candidates` ranked first).
+      source: ``"beam"`` (the stages' best), ``"min_shard"`` (a candidate of
+        :func:`buddyring_minshard.candidates` ranked first) or ``"cap_search"`` (found by
+        :func:`buddyring_capsearch.cap_search` when nothing else met ``max_shards``).
     """
 
     placement: Placement
@@ -417,7 +421,8 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
                      length_cutoffs: Sequence[int] = LENGTH_CUTOFFS,
                      max_tokens_per_device: int | None = None,
                      rank_shards: bool = False, balance_sum: bool = True,
-                     min_shards: bool = True, max_shards: int | None = None) -> BuddyRingResult:
+                     min_shards: bool = True,
+                     max_shards: int | str | None = None) -> BuddyRingResult:
     """BuddyRing with its search record; see :func:`buddyring` for the arguments."""
     lengths = validate_lengths(lengths)
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) \
@@ -438,9 +443,15 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
         raise ValueError(f"max_group_size must be a power of two >= 1, got {max_group_size}")
     if int(align) < 1:
         raise ValueError(f"align must be an int >= 1 tokens, got {align}")
-    if max_shards is not None and (isinstance(max_shards, bool) or int(max_shards) != max_shards
-                                   or int(max_shards) < 1):
-        raise ValueError(f"max_shards must be None or an int >= 1, got {max_shards!r}")
+    if isinstance(max_shards, str):
+        if max_shards != "megatron":
+            raise ValueError(
+                f"max_shards must be None, an int >= 1 or 'megatron', got {max_shards!r}")
+        max_shards = megatron_hybrid_cp(lengths, n, cap=True).num_shards
+    elif max_shards is not None and (isinstance(max_shards, bool)
+                                     or not isinstance(max_shards, (int, np.integer, float))
+                                     or int(max_shards) != max_shards or int(max_shards) < 1):
+        raise ValueError(f"max_shards must be None, an int >= 1 or 'megatron', got {max_shards!r}")
     cutoffs = tuple(int(c) for c in length_cutoffs)
     if list(cutoffs) != sorted(set(cutoffs)):
         raise ValueError(f"length_cutoffs must be strictly increasing, got {length_cutoffs}")
@@ -477,19 +488,28 @@ def buddyring_search(lengths: Sequence[int], num_devices: int, *, token_tol: flo
     if pb.max_shards is not None:
         pb.cap_active = True
         key = tuple(_key_of(pb, assign))
+    one = np.ones(pb.S, dtype=np.int64)
+
+    def polish(a, hi):
+        return _repair(pb, a, one, hi, iters=params["repair_iters"],
+                       extreme=params["extreme_gpus"], per_gpu=params["seqs_per_gpu"])
+
     # At the A.1 floor every size is minimal already; only an infeasible best can still gain.
     if min_shards and (key[0] > 0 or pb.gsize[assign].sum() > pb.gmin.sum()):
-        one = np.ones(pb.S, dtype=np.int64)
-
-        def polish(a, hi):
-            return _repair(pb, a, one, hi, iters=params["repair_iters"],
-                           extreme=params["extreme_gpus"], per_gpu=params["seqs_per_gpu"])
-
         for a in candidates(pb, assign, feasible=key[0] == 0, key_of=lambda a: _key_of(pb, a),
                             polish=polish, max_shards=pb.max_shards):
             k = tuple(_key_of(pb, a))
             if k < key:
                 key, assign, source = k, a, "min_shard"
+    # Only when the cap is still not met: the cap-directed search (bounded; buddyring_capsearch).
+    if pb.max_shards is not None and int(pb.gsize[assign].sum()) > pb.max_shards:
+        a = cap_search(pb, pb.max_shards)
+        if a is not None:
+            kf = lambda b: tuple(_key_of(pb, b))  # noqa: E731
+            a = polish(balance(pb, a, kf, iters=16), pb.gsize[a])
+            k = kf(a)
+            if k < key:
+                key, assign, source = k, a, "cap_search"
     groups = tuple(Group(int(pb.gstart[g]), int(pb.gsize[g])) for g in assign)
     placement = Placement(lengths, n, groups, name="buddyring")
     d_w, d_t = float(key[-2]), float(key[-1])
@@ -505,7 +525,7 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
               length_cutoffs: Sequence[int] = LENGTH_CUTOFFS,
               max_tokens_per_device: int | None = None, rank_shards: bool = False,
               balance_sum: bool = True, min_shards: bool = True,
-              max_shards: int | None = None) -> Placement:
+              max_shards: int | str | None = None) -> Placement:
     """BuddyRing placement of a packed batch (paper §4.2 / A.1; defaults from Table 1).
 
     Args:
@@ -542,8 +562,16 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
       max_shards: not in the paper's order.  When set, the final choice (stages' best vs the
         min-shard candidates) ranks the shards above this cap right after ``V`` (e.g.
         Megatron's shard count on the batch), and when the narrowed best is above the cap the
-        candidates are widened from their seeds until feasible.  The stages run as without a
-        cap; the tolerances still come first.
+        candidates are widened from their seeds until feasible.  If the choice is still above
+        the cap, :func:`buddyring_capsearch.cap_search` looks for a placement within it that
+        meets both tolerances (an exact branch and bound over groups with a node limit, then
+        a beam over size vectors with an iterated local search; deterministic, bounded by
+        step counts, not by a clock) and wins when it finds one.  ``"megatron"``: the cap is
+        the shard count of ``megatron_hybrid_cp(lengths, num_devices, cap=True)`` on the same
+        lengths.  The
+        stages run as without a cap; the tolerances still come first, so when no placement
+        within the cap is found the result may exceed it.  ``None`` (default): none of this
+        runs.
     Returns:
       ``Placement`` named ``"buddyring"``, groups index-aligned with ``lengths``.  When no
       placement meets both tolerances it is the best-ranked one over all relaxation stages
