@@ -207,7 +207,10 @@ def min_group_sizes(lengths, num_devices: int, *, token_tol: float = 0.10, attn_
 
 
 def shard_lower_bound(lengths, num_devices: int, **kwargs) -> int:
-    """``sum_i`` of :func:`min_group_sizes`: no placement meeting both tolerances (measured
-    against the padding-free means) uses fewer sequence shards, because a sequence on fewer
-    devices alone pushes one of them past a tolerance.  Keyword arguments as there."""
+    """``sum_i`` of :func:`min_group_sizes` (paper A.1's floor): against the padding-free means,
+    a sequence on fewer devices alone pushes one of them past a tolerance.  Not a strict lower
+    bound for :func:`imbalance`, which measures against the padded means: padding of split
+    sequences raises the means, and placements meeting both tolerances with fewer shards exist
+    (RESULTS.md, placement section; ``buddyring_capsearch.size_floor`` is a valid bound).
+    Keyword arguments as there."""
     return int(min_group_sizes(lengths, num_devices, **kwargs).sum())
