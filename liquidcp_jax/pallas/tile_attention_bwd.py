@@ -228,6 +228,21 @@ def reverse_task_scalars(tab):
   return kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base
 
 
+def store_dk_dv(stage, dk, dv, out_dtype, dk_ref, dv_ref, *, rows0, kvh, lo, hi):
+  """Epilogue of the dK/dV-side kernels: dK then dV (f32 [64, D] registers) through one SMEM
+  staging buffer ``stage`` [64, D] of ``out_dtype`` into rows ``rows0 + [lo, hi)`` (clipped to the
+  warpgroup's 64) of KV head ``kvh`` of ``dk_ref`` / ``dv_ref``; waits for the stores."""
+  lo = jnp.clip(lo, 0, _ROWS)
+  hi = jnp.clip(hi, 0, _ROWS)
+  for val, dst in ((dk.astype(out_dtype), dk_ref), (dv.astype(out_dtype), dv_ref)):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = val
+    plgpu.commit_smem()
+    _ladder_store(stage, lambda off, n, dst=dst: dst.at[pl.ds(rows0 + off, n), kvh], lo, hi - lo,
+                  _ROWS)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def stream_query_tiles(srcs, dsts, bars, used, *, kvh, group, t_lo, nt, col_base, bc, mcs):
   """Producer of the dK/dV-side kernels: streams, for every q head of KV head ``kvh`` and every
   query tile ``t_lo .. t_lo + nt - 1`` of the task, the Q, LSE, dO and delta tiles into a ring of
@@ -468,16 +483,8 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
 
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
       # dK then dV through one staging buffer: the SMEM it saves pays for a deeper Q/dO ring.
-      o_s = o_s2.at[wg]
-      lo = jnp.clip(get("q_lo") - r0, 0, _ROWS)
-      hi = jnp.clip(get("q_hi") - r0, 0, _ROWS)
-      for val, dst in (((dk * sm_scale).astype(dtype), dk_ref), (dv.astype(dtype), dv_ref)):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_s[...] = val
-        plgpu.commit_smem()
-        _ladder_store(o_s, lambda off, n, dst=dst: dst.at[pl.ds(row_base + r0 + off, n), kvh], lo,
-                      hi - lo, _ROWS)
-      plgpu.wait_smem_to_gmem(0)
+      store_dk_dv(o_s2.at[wg], dk * sm_scale, dv, dtype, dk_ref, dv_ref, rows0=row_base + r0,
+                  kvh=kvh, lo=get("q_lo") - r0, hi=get("q_hi") - r0)
 
     @pl.when(wg == 2)
     def _producer():

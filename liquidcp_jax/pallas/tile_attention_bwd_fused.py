@@ -35,7 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
-from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store, masked_split_loop
+from liquidcp_jax.pallas.tile_attention_fwd import masked_split_loop
 
 _ROWS = bwd_lib._ROWS
 _TF = bwd_lib._TF
@@ -182,16 +182,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
                                  carry)
 
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
-      lo = jnp.clip(q_lo - r0, 0, _ROWS)
-      hi = jnp.clip(q_hi - r0, 0, _ROWS)
-      odt = dtype if pair else jnp.float32
-      for val, dst in (((dk * sm_scale).astype(odt), dk_ref), (dv.astype(odt), dv_ref)):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out[...] = val
-        plgpu.commit_smem()
-        _ladder_store(out, lambda off, n, dst=dst: dst.at[pl.ds(row_base + r0 + off, n), kvh], lo,
-                      hi - lo, _ROWS)
-      plgpu.wait_smem_to_gmem(0)
+      bwd_lib.store_dk_dv(out, dk * sm_scale, dv, dtype if pair else jnp.float32, dk_ref, dv_ref,
+                          rows0=row_base + r0, kvh=kvh, lo=q_lo - r0, hi=q_hi - r0)
 
     @pl.when(wg < 2)
     def _compute():
