@@ -67,6 +67,8 @@ class TuningConfig:
   # RESULTS.md): dense causal 32K ran 598 TFLOP/s plain vs 559 persistent, while packed 64K
   # batches (capacity 128 segments, i.e. 512 tokens per slot) ran 445 vs 403 (Pile-CC) and
   # 537 vs 519 (FreeLaw) persistent; dense 8K was within the run-to-run spread (434 vs 424).
+  # Those runs predate the (tasks, heads) launch order of the plain grid; after it only dense 8K
+  # was re-timed: 421 plain vs 436 persistent (round-robin; RESULTS.md, third session).
   persistent_below_tokens_per_segment: int = 16384
 
   def use_persistent(self, num_q_rows: int, segment_capacity: int) -> bool:
@@ -115,9 +117,14 @@ class StepCtx(NamedTuple):
   interpret: bool
   named_sched: bool = False
 
+  @property
+  def uses_named_barrier(self) -> bool:
+    """``named_sched`` on the GPU (the interpreter keeps the mbarrier)."""
+    return self.named_sched and not self.interpret
+
   def sched_sync(self):
     """Both compute warpgroups meet (the ping-pong's hand-over)."""
-    if self.named_sched and not self.interpret:
+    if self.uses_named_barrier:
       named_barrier_sync(SCHED_BARRIER_ID, 2 * 128)
     else:
       plgpu.barrier_arrive(self.sched)
@@ -176,7 +183,7 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   l_i = l_i * alpha + p.sum(axis=1)
   p16 = p.astype(cx.dtype)
   acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-  if cx.named_sched and not cx.interpret:
+  if cx.uses_named_barrier:
     # A named barrier cannot arrive early and wait later: wait for V first, then meet.
     plgpu.barrier_wait(cx.v_bar.at[slot])
     cx.sched_sync()
