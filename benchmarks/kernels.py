@@ -4,8 +4,9 @@ Sections (in this order, so that a time budget cuts the least important part):
   dense     causal B=1, Hq=32, Hkv=8, D=128, bf16, S = 8K, 32K: ours vs cuDNN
             (``jax.nn.dot_product_attention(implementation="cudnn")``) vs tokamax's Mosaic GPU
             attention (``implementation="mosaic"``, where it imports and runs), fwd and fwd+bwd.
-  variants  (``--variants``) our kernels under several configs on dense 8K and one packed short
-            batch: fwd plain grid vs ``persistent=True``, each with and without ``named_sched``, backward
+  variants  (``--variants``) our kernels under several configs on the first dense length and the
+            ``--variant-datasets`` packed batches (default Pile-CC, short sequences): fwd plain grid
+            vs ``persistent=True``, each with named-barrier and mbarrier ping-pong, backward
             only (dQ + dK/dV kernels, ``pallas_segment_attention_bwd``) for
             ``BwdTuningConfig(overlap=True, block_kv_dq, fused=False)``, block_kv_dq in {64, 128},
             and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg").
@@ -375,8 +376,8 @@ def bench_packed(b, label, lens, cap, n):
 def variant_configs():
   fwd = [("fwd plain", api.TuningConfig(persistent=False)),
          ("fwd persistent", api.TuningConfig(persistent=True)),
-         ("fwd plain named_sched", api.TuningConfig(persistent=False, named_sched=True)),
-         ("fwd persistent named_sched", api.TuningConfig(persistent=True, named_sched=True))]
+         ("fwd plain mbarrier_sched", api.TuningConfig(persistent=False, named_sched=False)),
+         ("fwd persistent mbarrier_sched", api.TuningConfig(persistent=True, named_sched=False))]
   bwd = [(f"bwd overlap=True block_kv_dq={bk}",
           bwd_lib.BwdTuningConfig(overlap=True, block_kv_dq=bk, fused=False)) for bk in (64, 128)]
   bwd.append(("bwd fused pair", bwd_lib.BwdTuningConfig(fused=True)))
@@ -427,10 +428,11 @@ def plan(a):
   if a.datasets:
     datasets = tuple(a.datasets.split(","))
   cases = [("dense", f"S={s}", np.array([s])) for s in dense]
-  short = workloads.sample_batch("pilecc", tokens[0], 0).astype(np.int64)
   if a.variants:
     cases.append(("variants", f"dense S={dense[0]}", np.array([dense[0]])))
-    cases.append(("variants", f"packed pilecc {tokens[0] // 1024}K", short))
+    for ds in a.variant_datasets.split(","):
+      cases.append(("variants", f"packed {ds} {tokens[0] // 1024}K",
+                    workloads.sample_batch(ds, tokens[0], 0).astype(np.int64)))
   for t in tokens:
     for ds in datasets:
       cases.append(("packed", ds, workloads.sample_batch(ds, t, 0).astype(np.int64)))
@@ -483,6 +485,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="dense 8K + two 64K packed batches")
   ap.add_argument("--variants", action="store_true", help="time our kernels under several configs")
+  ap.add_argument("--variant-datasets", default="pilecc",
+                  help="comma list of packed datasets for --variants (first token count)")
   ap.add_argument("--lognormal", action="store_true", help="add the two lognormal length mixes")
   ap.add_argument("--no-bwd", action="store_true")
   ap.add_argument("--dry-run", action="store_true", help="print the plan, touch no device")

@@ -46,11 +46,13 @@ def test_forward_matches_float64(case, causal):
   _check_forward(case, causal, None)
 
 
+@pytest.mark.parametrize("named", [True, False])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("case", [0, 2])
-def test_forward_named_sched_matches_float64(case, persistent):
-  """The opt-in hardware named-barrier ping-pong (TuningConfig.named_sched)."""
-  _check_forward(case, True, api.TuningConfig(persistent=persistent, named_sched=True))
+def test_forward_named_sched_matches_float64(case, persistent, named):
+  """Both ping-pongs: hardware named barriers (TuningConfig.named_sched, the default) and the
+  mbarrier one, on the plain and the persistent kernel."""
+  _check_forward(case, True, api.TuningConfig(persistent=persistent, named_sched=named))
 
 
 def _check_forward(case, causal, config):

@@ -20,8 +20,8 @@ def test_interpret_forward_named_sched_falls_back():
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_forward_named_sched_gpu_lowering(persistent):
-  """named_sched=True puts the hardware named barrier (bar.sync 4, 256: both compute warpgroups)
-  into the lowered Mosaic GPU kernel; the default does not."""
+  """named_sched=True puts the ping-pong on hardware named barriers 4 and 5 (256 threads: both
+  compute warpgroups) in the lowered Mosaic GPU kernel; named_sched=False does not."""
   import jax
   sd = jax.ShapeDtypeStruct
   q, k, seg = sd((640, 8, 128), jnp.bfloat16), sd((640, 2, 128), jnp.bfloat16), sd((3,), jnp.int32)
@@ -32,7 +32,11 @@ def test_forward_named_sched_gpu_lowering(persistent):
     txt = f.trace(q, k, k, seg, seg, seg, sd((), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
-    assert ("bar.sync 4, 256" in txt) == named
+    # Warpgroup 1's start wait (bar.sync 5) and the per-step signal to the other warpgroup's
+    # barrier (bar.arrive 4 + 1 - wg, a register operand).
+    assert ("bar.sync 5, 256;" in txt) == named
+    assert ("bar.arrive $0, 256;" in txt) == named
+    assert ("bar.sync $0, 256;" in txt) == named
   with pytest.raises(ValueError, match="named_sched"):
     api.TuningConfig(named_sched=1)
 
@@ -190,7 +194,9 @@ def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
 def test_fused_backward_gpu_lowering(hq, hkv):
   """The fused dK/dV/dQ kernel (TMA reduce-add, not runnable in interpret mode) lowers to one
   Mosaic GPU call on CPU with both dQ splits, the float32 dQ accumulator aliased input -> output;
-  the default config runs the two kernels."""
+  the default config (fused=None) runs the two kernels on short segments, the fused one from
+  fused_from_tokens_per_segment tokens per segment slot, and the two kernels again at head_dim 64
+  (where fused_split='pair' cannot run) instead of raising."""
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   sd = jax.ShapeDtypeStruct
@@ -198,7 +204,9 @@ def test_fused_backward_gpu_lowering(hq, hkv):
   lse, seg = sd((640, hq), jnp.float32), sd((3,), jnp.int32)
   for cfg, n_calls in ((bwd.BwdTuningConfig(fused=True), 1), (bwd.BwdTuningConfig(), 2),
                        (bwd.BwdTuningConfig(fused=True, max_concurrent_steps=3), 1),
-                       (bwd.BwdTuningConfig(fused=True, fused_split="wg"), 1)):
+                       (bwd.BwdTuningConfig(fused=True, fused_split="wg"), 1),
+                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=213), 1),
+                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=214), 2)):
     f = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(*a, causal=True,
                                                                      sm_scale=0.1, config=cfg))
     txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
@@ -207,6 +215,13 @@ def test_fused_backward_gpu_lowering(hq, hkv):
     assert len(calls) == n_calls
     if n_calls == 1:
       assert "output_operand_alias<output_tuple_indices = [2], operand_index = 7" in calls[0]
+  q64, k64 = sd((640, hq, 64), jnp.bfloat16), sd((640, hkv, 64), jnp.bfloat16)
+  cfg = bwd.BwdTuningConfig(fused_from_tokens_per_segment=1)
+  txt = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=True, sm_scale=0.1,
+                                                            config=cfg)).trace(
+      q64, k64, k64, q64, lse, q64, seg, seg, seg, sd((), jnp.int32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 2
 
 
 def test_fused_backward_rejects_unsupported():
@@ -222,6 +237,8 @@ def test_fused_backward_rejects_unsupported():
                                   128)[1]
   with pytest.raises(ValueError, match="fused"):
     bwd.BwdTuningConfig(fused="yes")
+  with pytest.raises(ValueError, match="fused_from_tokens_per_segment"):
+    bwd.BwdTuningConfig(fused_from_tokens_per_segment=0)
   with pytest.raises(ValueError, match="fused_split"):
     bwd.BwdTuningConfig(fused_split="half")
   q = jnp.ones((128, 2, 64), jnp.bfloat16)

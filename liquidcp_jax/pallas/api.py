@@ -150,8 +150,12 @@ def _roundup(x, m):
   return max(-(-x // m) * m, m)
 
 
-def _use_fused(config, head_dim, interpret) -> bool:
-  """Whether the backward runs the fused dK/dV/dQ kernel (``BwdTuningConfig.fused``)."""
+def _use_fused(config, head_dim, interpret, num_q_rows, segment_capacity) -> bool:
+  """Whether the backward runs the fused dK/dV/dQ kernel (``BwdTuningConfig.fused``; ``None``
+  picks it where it is faster and can run, ``True`` insists and errors where it cannot)."""
+  if config.fused is None:
+    return (not interpret and config.use_fused(num_q_rows, segment_capacity)
+            and fused_lib.supports(config, head_dim)[0])
   if not config.fused:
     return False
   if interpret:
@@ -183,7 +187,7 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   t_kv = tables_lib.build_task_table(seg_kv_start, seg_len, seg_q_start, seg_len, z, z, num_segs,
                                      tq=tkb, tk=tqb, block_q=128, block_kv=config.block_q_dkv,
                                      causal=causal, reverse=True, xp=jnp)
-  if _use_fused(config, d, interpret):
+  if _use_fused(config, d, interpret, tq, seg_q_start.shape[0]):
     acc = jax.new_ref(jnp.zeros((tqb, hq, d), jnp.float32))
     dk, dv = fused_lib.fused_bwd_kernel_call(qb, kb, vb, dob, lse2, delta, acc, t_kv.table,
                                              t_kv.capacity, causal=causal, sm_scale=sm_scale,

@@ -75,21 +75,25 @@ class BwdTuningConfig:
   ``max_concurrent_steps`` SMEM ring slots; ``overlap``: issue a step's two independent wgmmas
   together (see the module docstring). Every combination runs in interpret mode; on the GPU the
   SMEM budget (:func:`smem_bytes`) rules out some with head_dim 128, e.g. ``block_q_dkv=128``.
-  Defaults from the H200 sweep of 2026-12-03 (RESULTS.md): ``overlap=True, block_kv_dq=128``
-  gave 358 TFLOP/s on the dense 8K backward vs 330 for ``(False, 64)``; on a packed Pile-CC 64K
-  batch 368 vs 376.
+  Defaults from the H200 sweeps of 2026-12-03 (RESULTS.md): ``overlap=True`` gave 358 TFLOP/s
+  on the dense 8K backward vs 330 without; after the (tasks, heads) launch order ``block_kv_dq=64``
+  beat 128 on dense 8K (419 vs 407), Pile-CC (362 vs 343), FreeLaw (394 vs 355) and ArXiv 64K
+  (423 vs 404) and tied on dense 32K (452 vs 453; fourth session).
 
   ``fused=True``: compute dQ inside the dK/dV kernel (:mod:`tile_attention_bwd_fused`, 5 matmuls
   per tile pair instead of 7, dQ added with TMA reduce-adds into a float32 accumulator; GPU only,
-  ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module). Off by
-  default: on the H200 "pair" beat the two kernels on dense causal 8K (400 vs 385 TFLOP/s) but lost
-  on a packed Pile-CC 64K batch (293 vs 338); RESULTS.md, 2026-12-03 third session."""
-  block_kv_dq: int = 128
+  ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module).
+  ``fused=None`` (default) picks it by :meth:`use_fused`: on the H200 "pair" won on dense causal
+  32K (477 vs 452 TFLOP/s) but lost on dense 8K (400 vs 419) and on every packed 64K batch
+  (Pile-CC 290 vs 362, FreeLaw 355 vs 394, ArXiv 417 vs 423; RESULTS.md, fourth session)."""
+  block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
   overlap: bool = True
-  fused: bool = False
+  fused: bool | None = None
   fused_split: str = "pair"
+  # Mean segment-capacity length at and above which ``fused=None`` runs the fused kernel.
+  fused_from_tokens_per_segment: int = 32768
 
   def __post_init__(self):
     for name in ("block_kv_dq", "block_q_dkv"):
@@ -101,8 +105,19 @@ class BwdTuningConfig:
       raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
     if self.fused_split not in ("pair", "wg"):
       raise ValueError(f"fused_split must be 'pair' or 'wg', got {self.fused_split!r}")
-    if not isinstance(self.fused, bool):
-      raise ValueError(f"fused must be a bool, got {self.fused!r}")
+    if self.fused not in (None, True, False):
+      raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
+    if self.fused_from_tokens_per_segment < 1:
+      raise ValueError("fused_from_tokens_per_segment must be >= 1, got "
+                       f"{self.fused_from_tokens_per_segment}")
+
+  def use_fused(self, num_q_rows: int, segment_capacity: int) -> bool:
+    """Whether ``fused=None`` picks the fused kernel for ``num_q_rows`` packed rows in
+    ``segment_capacity`` segment slots (before the GPU / head-dim checks): long segments give each
+    dK/dV task enough query tiles to amortize the dQ reduce-adds."""
+    if self.fused is not None:
+      return self.fused
+    return num_q_rows >= self.fused_from_tokens_per_segment * max(1, segment_capacity)
 
 
 _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)

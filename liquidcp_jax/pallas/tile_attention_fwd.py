@@ -39,15 +39,17 @@ class TuningConfig:
   :mod:`tile_attention_fwd_persistent`); ``None`` (default) picks it by :meth:`use_persistent`.
   ``num_ctas`` overrides the persistent grid size (default: SM count).
   ``named_sched``: the two compute warpgroups' ping-pong uses a hardware named barrier
-  (``bar.sync``, one instruction) instead of an SMEM mbarrier arrive + wait loop. Opt-in and not
-  yet measured on the H200; GPU only (interpret mode keeps the mbarrier, same semantics).
+  and is asymmetric (see :meth:`StepCtx.sched_after_qk`) instead of an SMEM mbarrier meeting. On
+  by default: on the H200 (RESULTS.md, 2026-12-03 fourth session, run l) the persistent forward ran
+  417.5 vs 373.3 TFLOP/s at dense 8K and 571.5 vs 556.0 at 32K (round-robin), and 458.5 vs 436.1
+  on packed Pile-CC 64K (run m). GPU only (interpret mode keeps the mbarrier, same results).
   """
   block_q: int = 64
   block_kv: int = 128
   max_concurrent_steps: int = 2
   persistent: bool | None = None
   num_ctas: int | None = None
-  named_sched: bool = False
+  named_sched: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -89,7 +91,8 @@ class StepCtx(NamedTuple):
   Refs: ``q_smem`` [block_q, D] (this warpgroup's Q rows), ``k_smem`` / ``v_smem`` [slots,
   block_kv, D] (the KV ring), ``p_smem`` [block_q, block_kv] (interpret-mode staging of P, else
   None), ring barriers ``k_bar`` / ``v_bar`` (loaded) and ``k_used`` / ``v_used`` (consumed), the
-  ping-pong barrier ``sched``. Task scalars: ``r0`` (first row of this warpgroup in the task tile),
+  ping-pong mbarrier ``sched`` (unused with named barriers). ``wg``: this compute warpgroup (0/1).
+  Task scalars: ``r0`` (first row of this warpgroup in the task tile),
   ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``. ``slot_of(i)``
   maps the task's tile ``i`` to its ring slot (the persistent kernel's ring runs across tasks).
   """
@@ -116,33 +119,82 @@ class StepCtx(NamedTuple):
   scale2: float
   interpret: bool
   named_sched: bool = False
+  wg: Any = 0
 
   @property
   def uses_named_barrier(self) -> bool:
     """``named_sched`` on the GPU (the interpreter keeps the mbarrier)."""
     return self.named_sched and not self.interpret
 
-  def sched_sync(self):
-    """Both compute warpgroups meet (the ping-pong's hand-over)."""
+  # The ping-pong. With hardware named barriers it is asymmetric, FA3-style: warpgroup w waits
+  # only on its own barrier SCHED_BARRIER_ID + w, and signals the other's without waiting, so
+  # after issuing Q K^T it starts its softmax at once while the other one issues its GEMMs. The
+  # mbarrier fallback (interpreter, ``named_sched=False``) is a symmetric meeting at the same four
+  # points; both orders alternate the two warpgroups' GEMMs because warpgroup 1 starts one
+  # hand-over late (``sched_start``) and warpgroup 0 ends one late (``sched_end``).
+
+  def _meet(self):
+    plgpu.barrier_arrive(self.sched)
+    plgpu.barrier_wait(self.sched)
+
+  def sched_start(self, wg):
+    """Before the KV loop: warpgroup 1 waits for warpgroup 0's first Q K^T."""
     if self.uses_named_barrier:
-      named_barrier_sync(SCHED_BARRIER_ID, 2 * 128)
+      pl.when(wg == 1)(lambda: named_barrier("sync", SCHED_BARRIER_ID + 1, 2 * 128))
     else:
-      plgpu.barrier_arrive(self.sched)
-      plgpu.barrier_wait(self.sched)
+      pl.when(wg == 1)(self._meet)
+
+  def sched_after_qk(self, wg):
+    """Q K^T issued: let the other warpgroup issue its GEMMs."""
+    if self.uses_named_barrier:
+      named_barrier("arrive", SCHED_BARRIER_ID + 1 - wg, 2 * 128)
+    else:
+      self._meet()
+
+  def sched_before_pv(self, wg):
+    """Before P V: wait until the other warpgroup has issued its Q K^T."""
+    if self.uses_named_barrier:
+      named_barrier("sync", SCHED_BARRIER_ID + wg, 2 * 128)
+    else:
+      self._meet()
+
+  def sched_end(self, wg, *, wait: bool = False):
+    """After the KV loop: warpgroup 0 releases warpgroup 1's last wait (balances sched_start).
+    ``wait`` (the persistent kernel, which runs the loop again): warpgroup 0 also waits for that
+    last wait, so its next item's first signal cannot land in the same barrier phase."""
+    if self.uses_named_barrier:
+      op = "sync" if wait else "arrive"
+      pl.when(wg == 0)(lambda: named_barrier(op, SCHED_BARRIER_ID + 1, 2 * 128))
+    else:
+      pl.when(wg == 0)(self._meet)
 
 
-# Mosaic GPU's own named barriers: 0 (CTA-wide) and 1 + warpgroup index (warpgroup-wide).
+# Mosaic GPU's own named barriers: 0 (CTA-wide) and 1 + warpgroup index (warpgroup-wide); the
+# ping-pong uses SCHED_BARRIER_ID (warpgroup 0 waits there) and SCHED_BARRIER_ID + 1.
 SCHED_BARRIER_ID = 4
 
 
-def named_barrier_sync(barrier_id: int, num_threads: int):
-  """``bar.sync barrier_id, num_threads``: waits until ``num_threads`` threads (whole warps) of the
-  CTA have reached this hardware barrier. GPU only (the interpreter has no inline Mosaic GPU)."""
-  @plgpu.inline_mgpu()
-  def op(_):
-    mgpu_utils.inline_ptx(f"bar.sync {barrier_id}, {num_threads};", has_side_effects=True)
+def named_barrier(op: str, barrier_id, num_threads: int):
+  """``bar.{op} barrier_id, num_threads`` (``op`` "sync" or "arrive") on a hardware named barrier,
+  which completes once ``num_threads`` threads (whole warps) of the CTA arrived; "sync" also waits
+  for that. ``barrier_id`` is an int or an int32 scalar uniform over the warpgroup. GPU only (the
+  interpreter has no inline Mosaic GPU)."""
+  if op not in ("sync", "arrive"):
+    raise ValueError(f"op must be 'sync' or 'arrive', got {op!r}")
+  if isinstance(barrier_id, int):
+    @plgpu.inline_mgpu()
+    def static_op(_):
+      mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", has_side_effects=True,
+                            convergent=True)
 
-  op()
+    static_op()
+  else:
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def dynamic_op(_, bid):
+      mgpu_utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()],
+                            has_side_effects=True, convergent=True)
+
+    dynamic_op(jnp.asarray(barrier_id, jnp.int32))
 
 
 def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
@@ -156,7 +208,7 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
 
   def qk_scope(s_ref):
     plgpu.wgmma(s_ref, cx.q_smem, cx.k_smem.at[slot].transpose((1, 0)))
-    cx.sched_sync()
+    cx.sched_after_qk(cx.wg)
     return s_ref[...]
 
   s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
@@ -183,14 +235,8 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   l_i = l_i * alpha + p.sum(axis=1)
   p16 = p.astype(cx.dtype)
   acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-  if cx.uses_named_barrier:
-    # A named barrier cannot arrive early and wait later: wait for V first, then meet.
-    plgpu.barrier_wait(cx.v_bar.at[slot])
-    cx.sched_sync()
-  else:
-    plgpu.barrier_arrive(cx.sched)
-    plgpu.barrier_wait(cx.v_bar.at[slot])
-    plgpu.barrier_wait(cx.sched)
+  plgpu.barrier_wait(cx.v_bar.at[slot])
+  cx.sched_before_pv(cx.wg)
 
   def prefetch_wait():
     nxt = j + 1
@@ -295,13 +341,13 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar, v_bar,
                    k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                    lambda i: lax.rem(i, jnp.int32(mcs)), bq, bkv, d, dtype, causal, scale2,
-                   interpret, config.named_sched)
-      pl.when(wg == 1)(cx.sched_sync)
+                   interpret, config.named_sched, wg)
+      cx.sched_start(wg)
       step = functools.partial(softmax_step, cx)
 
       carry = (acc, m_i, l_i)
       acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
-      pl.when(wg == 0)(cx.sched_sync)
+      cx.sched_end(wg)
 
       empty = l_i == 0.0
       inv_l = 1.0 / jnp.where(empty, 1.0, l_i)

@@ -115,8 +115,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar,
                        v_bar, k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                        lambda i: lax.rem(c0 + i, jnp.int32(mcs)), bq, bkv, d, dtype, causal,
-                       scale2, interpret, config.named_sched)
-          pl.when(wg == 1)(cx.sched_sync)
+                       scale2, interpret, config.named_sched, wg)
+          cx.sched_start(wg)
 
           def step(j, carry, masked):
             def release_q():
@@ -128,7 +128,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           carry = (acc, m_i, l_i)
           acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
           pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # gap task: no Q K^T
-          pl.when(wg == 0)(cx.sched_sync)
+          cx.sched_end(wg, wait=True)
 
           empty = l_i == 0.0
           inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
