@@ -1,10 +1,6 @@
 # One H200 call: fwd round-robin (named_sched vs mbarrier vs cuDNN), the full GPU suite, kernel variants.
-set -o pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:/tmp/site:$PWD/.whl/extra
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee $OUT/gpu.txt
-date -u | tee -a $OUT/gpu.txt
+source .devscripts/prelude.sh
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 JAX_PLATFORMS=cuda timeout ${FWD_S:-110} python3 benchmarks/bwd_breakdown.py --fwd-only --s ${FWD_SEQ:-8192} --out $OUT/fwd_only.json 2>&1 | grep -v "Warning: \|warnings.warn" | tee $OUT/fwd_only.log | tail -20
 JAX_PLATFORMS=cuda timeout ${TEST_S:-300} python3 -m pytest -q -m gpu -n ${WORKERS:-4} -p xdist \
   --durations=10 ${TESTS:-tests/} 2>&1 | grep -v "Warning: \|warnings.warn" | tail -60 | tee $OUT/gpu_suite.log | tail -25

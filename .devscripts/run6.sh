@@ -1,11 +1,6 @@
 # One H200 call: forward GPU tests (short timeout: a barrier deadlock must not eat the call), then
 # fwd round-robin at 8K and 32K (plain/persistent x named_sched vs cuDNN), then dense 8K/32K interleaved.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:/tmp/site:$PWD/.whl/extra
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee $OUT/gpu.txt
-date -u | tee -a $OUT/gpu.txt
+source .devscripts/prelude.sh
 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout ${TEST_S:-170} python3 -m pytest -q -m gpu -n 4 -p xdist ${TESTS:-tests/test_pallas_gpu.py -k "forward or dense_large"} 2>&1 | grep -v "Warning: \|warnings.warn" | tail -15 | tee $OUT/gpu_tests.log
 for S in ${FWD_SEQS:-8192 32768}; do
 JAX_PLATFORMS=cuda timeout ${FWD_S:-100} python3 benchmarks/bwd_breakdown.py --fwd-only --s $S --reps 10 --out $OUT/fwd_only_$S.json 2>&1 | grep -v "Warning: \|warnings.warn" | tee $OUT/fwd_only_$S.log | tail -6

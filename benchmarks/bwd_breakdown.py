@@ -1,7 +1,8 @@
 """Backward breakdown on one GPU: where the dense causal backward's time goes (device-built task
 tables, the delta / LSE preparation, the dQ and dK/dV kernels alone under several ring depths and
-tile sizes, the whole two-kernel backward), the forward (plain grid vs persistent vs cuDNN, timed
-round-robin), and the fused dK/dV/dQ kernel. B=1, Hq=32, Hkv=8, D=128, bf16, causal.
+tile sizes, the whole two-kernel backward), the forward (plain grid vs persistent, each with and
+without ``named_kv_release``, vs cuDNN, timed round-robin), the fused dK/dV/dQ kernel, and the whole
+backward with and without ``named_barriers`` (round-robin). B=1, Hq=32, Hkv=8, D=128, bf16, causal.
 
 Each item: median wall-clock ms of ``--reps`` calls after two warm-up calls (a kernel timed alone
 includes one dispatch); TFLOP/s where the item has a FLOP count (dQ kernel 1.5x forward FLOPs, dK/dV
@@ -9,7 +10,8 @@ includes one dispatch); TFLOP/s where the item has a FLOP count (dQ kernel 1.5x 
 ``MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dir`` to keep ptxas' report per kernel.
 
   python3 benchmarks/bwd_breakdown.py [--s 8192] [--reps 20] [--fused-variants | --fwd-only |
-                                      --fused-only] [--out benchmarks/results/bwd_breakdown.json]
+                                      --fused-only | --bwd-interleaved]
+                                      [--out benchmarks/results/bwd_breakdown.json]
 """
 import argparse
 import json
@@ -41,27 +43,46 @@ def timeit(f, *a, n):
   return float(np.median(ts)) * 1e3
 
 
-def fwd_interleaved(q, k, v, seg, scale, flops, n, emit):
-  fns = {}
-  for pers, named in ((False, False), (True, False), (False, True), (True, True)):
-    c = fwd.TuningConfig(persistent=pers, named_sched=named)
-    fns[f"fwd persistent={pers}" + (" named_sched" if named else "")] = jax.jit(
-        lambda q, k, v, *sg, c=c: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
-                                                       config=c)[0])
-  cud = jax.jit(lambda q, k, v, *sg: jax.nn.dot_product_attention(
-      q[None], k[None], v[None], scale=scale, is_causal=True, implementation="cudnn")[0])
-  fns["fwd cudnn"] = cud
+def interleaved(fns, args, n, flops, emit):
+  """Times ``fns`` ({name: f}) on the same ``args`` round-robin (2n rounds after two warm-ups each),
+  so clock drift hits all alike; emits "<name> (interleaved)" per function."""
   ts = {nm: [] for nm in fns}
   for f in fns.values():
-    jax.block_until_ready(f(q, k, v, *seg))
-    jax.block_until_ready(f(q, k, v, *seg))
-  for _ in range(2 * n):  # round-robin, so clock drift hits all alike
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+  for _ in range(2 * n):
     for nm, f in fns.items():
       t = time.perf_counter()
-      jax.block_until_ready(f(q, k, v, *seg))
+      jax.block_until_ready(f(*args))
       ts[nm].append(time.perf_counter() - t)
   for nm in fns:
     emit(nm + " (interleaved)", float(np.median(ts[nm])) * 1e3, flops)
+
+
+def fwd_interleaved(q, k, v, seg, scale, flops, n, emit):
+  fns = {}
+  for pers, rel in ((False, False), (True, False), (False, True), (True, True)):
+    c = fwd.TuningConfig(persistent=pers, named_kv_release=rel)
+    fns[f"fwd persistent={pers}" + (" named_kv_release" if rel else "")] = jax.jit(
+        lambda q, k, v, *sg, c=c: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
+                                                       config=c)[0])
+  fns["fwd cudnn"] = jax.jit(lambda q, k, v, *sg: jax.nn.dot_product_attention(
+      q[None], k[None], v[None], scale=scale, is_causal=True, implementation="cudnn")[0])
+  interleaved(fns, (q, k, v, *seg), n, flops, emit)
+
+
+def bwd_interleaved(q, k, v, out, lse, do, seg, scale, flops, n, emit):
+  """The whole backward (2.5x forward FLOPs), two kernels vs fused pair, each with and without
+  ``named_barriers``, round-robin."""
+  fns = {}
+  for fused in (False, True):
+    for named in (False, True):
+      c = bwd.BwdTuningConfig(fused=fused, named_barriers=named)
+      fns[("bwd fused pair" if fused else "bwd two-kernel")
+          + (" named_barriers" if named else "")] = jax.jit(
+              lambda q, k, v, o, l, do, *sg, c=c: api.pallas_segment_attention_bwd(
+                  q, k, v, o, l, do, *sg, causal=True, sm_scale=scale, config=c))
+  interleaved(fns, (q, k, v, out, lse, do, *seg), n, 2.5 * flops, emit)
 
 
 def fused_variants(q, k, v, out, lse, do, seg, scale, flops, n, emit):
@@ -84,6 +105,9 @@ def main():
   ap.add_argument("--out", default="benchmarks/results/bwd_breakdown.json")
   ap.add_argument("--fused-only", action="store_true",
                   help="only the full backward: two kernels vs fused pair (mcs 2, 3)")
+  ap.add_argument("--bwd-interleaved", action="store_true",
+                  help="only the full backward, round-robin: two kernels vs fused pair, each "
+                       "with and without named_barriers")
   a = ap.parse_args()
   s, n = a.s, a.reps
   ks = jax.random.split(jax.random.key(0), 4)
@@ -117,9 +141,11 @@ def run(a, q, k, v, do, seg, scale, flops, n, emit):
   out, lse = jax.jit(lambda q, k, v, *sg: api.varlen_attention(
       q, k, v, *sg, causal=True, sm_scale=scale))(q, k, v, *seg)
   z = jnp.zeros(1, jnp.int32)
-  cfg = bwd.BwdTuningConfig()
+  cfg = bwd.BwdTuningConfig(fused=False)
   if a.fwd_only:
     return fwd_interleaved(q, k, v, seg, scale, flops, n, emit)
+  if a.bwd_interleaved:
+    return bwd_interleaved(q, k, v, out, lse, do, seg, scale, flops, n, emit)
 
   def build(qs, ksv, ln, ns, reverse, bkv):
     if reverse:

@@ -6,10 +6,12 @@ Sections (in this order, so that a time budget cuts the least important part):
             attention (``implementation="mosaic"``, where it imports and runs), fwd and fwd+bwd.
   variants  (``--variants``) our kernels under several configs on the first dense length and the
             ``--variant-datasets`` packed batches (default Pile-CC, short sequences): fwd plain grid
-            vs ``persistent=True``, each with named-barrier and mbarrier ping-pong, backward
+            vs ``persistent=True``, each with named-barrier and mbarrier ping-pong and with
+            ``named_kv_release``, backward
             only (dQ + dK/dV kernels, ``pallas_segment_attention_bwd``) for
             ``BwdTuningConfig(overlap=True, block_kv_dq, fused=False)``, block_kv_dq in {64, 128},
-            and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg").
+            and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg"), the
+            two-kernel and the fused "pair" backward with ``named_barriers``.
   packed    packed variable-length batches of 64K and 128K tokens sampled from the five training
             distributions (``liquidcp_jax.workloads.sample_batch``, seed 0), ``--lognormal`` adds
             the two earlier lognormal mixes: ours vs cuDNN's packed layout vs XLA attention
@@ -377,11 +379,17 @@ def variant_configs():
   fwd = [("fwd plain", api.TuningConfig(persistent=False)),
          ("fwd persistent", api.TuningConfig(persistent=True)),
          ("fwd plain mbarrier_sched", api.TuningConfig(persistent=False, named_sched=False)),
-         ("fwd persistent mbarrier_sched", api.TuningConfig(persistent=True, named_sched=False))]
+         ("fwd persistent mbarrier_sched", api.TuningConfig(persistent=True, named_sched=False)),
+         ("fwd plain named_kv_release", api.TuningConfig(persistent=False, named_kv_release=True)),
+         ("fwd persistent named_kv_release",
+          api.TuningConfig(persistent=True, named_kv_release=True))]
   bwd = [(f"bwd overlap=True block_kv_dq={bk}",
           bwd_lib.BwdTuningConfig(overlap=True, block_kv_dq=bk, fused=False)) for bk in (64, 128)]
   bwd.append(("bwd fused pair", bwd_lib.BwdTuningConfig(fused=True)))
   bwd.append(("bwd fused wg", bwd_lib.BwdTuningConfig(fused=True, fused_split="wg")))
+  bwd.append(("bwd named_barriers", bwd_lib.BwdTuningConfig(fused=False, named_barriers=True)))
+  bwd.append(("bwd fused pair named_barriers",
+              bwd_lib.BwdTuningConfig(fused=True, named_barriers=True)))
   return fwd, bwd
 
 

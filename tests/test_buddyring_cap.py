@@ -130,6 +130,8 @@ def test_branch_and_bound_agrees_with_the_integer_program(lengths, log_n, slack)
     if status is None:
         return
     exact, _ = exact_shard_check(lengths, n, cap, time_limit=20)
+    if exact == "unknown":  # solver time limit, or its placement fails the float metrics
+        return
     if status:
         assert int(pb.gsize[a].sum()) <= cap and _key_of(pb, a)[0] == 0
         p = Placement(tuple(lengths), n, tuple(Group(int(pb.gstart[g]), int(pb.gsize[g]))

@@ -55,6 +55,13 @@ def test_forward_named_sched_matches_float64(case, persistent, named):
   _check_forward(case, True, api.TuningConfig(persistent=persistent, named_sched=named))
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("case", [0, 2])
+def test_forward_named_kv_release_matches_float64(case, persistent):
+  """K / V ring slots handed back on hardware named barriers (TuningConfig.named_kv_release)."""
+  _check_forward(case, True, api.TuningConfig(persistent=persistent, named_kv_release=True))
+
+
 def _check_forward(case, causal, config):
   q, k, v, qs, ks, ln, n = _inputs(100 + case + 10 * causal, *CASES[case])
   scale = 1.0 / np.sqrt(q.shape[-1])
@@ -115,13 +122,16 @@ def test_dense_large_causal():
 _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=128, fused=False),
                 dict(overlap=False, block_kv_dq=128, fused=False),
                 dict(overlap=True, block_kv_dq=64, max_concurrent_steps=3, fused=False),
-                dict(fused=True), dict(fused=True, max_concurrent_steps=3)]
+                dict(fused=True), dict(fused=True, max_concurrent_steps=3),
+                dict(fused=False, named_barriers=True),
+                dict(fused=True, named_barriers=True),
+                dict(fused=True, named_barriers=True, max_concurrent_steps=3)]
 
 
 @pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
 @pytest.mark.parametrize("cfg", _BWD_CONFIGS,
                          ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused",
-                              "fused-mcs3"])
+                              "fused-mcs3", "named", "fused-named", "fused-named-mcs3"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])
@@ -148,7 +158,8 @@ def _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, *, causal, s
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("mode,d", [("pair", 128), ("wg", 128), ("wg", 64), ("off", 128)])
+@pytest.mark.parametrize("mode,d", [("pair", 128), ("wg", 128), ("wg", 64), ("off", 128),
+                                    ("pair-named", 128)])
 def test_fused_backward_gqa_packed(causal, mode, d):
   """Fused dK/dV/dQ kernel (both dQ splits) and the two-kernel path vs float64: GQA 4, segments
   sharing 128-row blocks (their keys must not leak into each other's dQ), lengths that are not
@@ -160,5 +171,6 @@ def test_fused_backward_gqa_packed(causal, mode, d):
   out, lse = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale))(
       q, k, v, qs, ks, ln, n)
   config = (bwd_ref.BwdTuningConfig(fused=False) if mode == "off"
-            else bwd_ref.BwdTuningConfig(fused=True, fused_split=mode))
+            else bwd_ref.BwdTuningConfig(fused=True, fused_split="pair", named_barriers=True)
+            if mode == "pair-named" else bwd_ref.BwdTuningConfig(fused=True, fused_split=mode))
   _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, causal=causal, scale=scale)

@@ -18,20 +18,24 @@ def test_interpret_forward_named_sched_falls_back():
   _check_interpret_forward(True, api.TuningConfig(persistent=False, named_sched=True))
 
 
+def _lower_forward_for_gpu(cfg):
+  """The forward's StableHLO text, lowered for CUDA on this CPU (one Mosaic GPU call)."""
+  import jax
+  sd = jax.ShapeDtypeStruct
+  q, k, seg = sd((640, 8, 128), jnp.bfloat16), sd((640, 2, 128), jnp.bfloat16), sd((3,), jnp.int32)
+  f = jax.jit(lambda *a: api.varlen_attention(*a, causal=True, sm_scale=0.1, config=cfg))
+  txt = f.trace(q, k, k, seg, seg, seg, sd((), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+  return txt
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_forward_named_sched_gpu_lowering(persistent):
   """named_sched=True puts the ping-pong on hardware named barriers 4 and 5 (256 threads: both
   compute warpgroups) in the lowered Mosaic GPU kernel; named_sched=False does not."""
-  import jax
-  sd = jax.ShapeDtypeStruct
-  q, k, seg = sd((640, 8, 128), jnp.bfloat16), sd((640, 2, 128), jnp.bfloat16), sd((3,), jnp.int32)
   for named in (False, True):
-    cfg = api.TuningConfig(persistent=persistent, named_sched=named)
-    f = jax.jit(lambda *a, cfg=cfg: api.varlen_attention(*a, causal=True, sm_scale=0.1,
-                                                         config=cfg))
-    txt = f.trace(q, k, k, seg, seg, seg, sd((), jnp.int32)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1
+    txt = _lower_forward_for_gpu(api.TuningConfig(persistent=persistent, named_sched=named))
     # Warpgroup 1's start wait (bar.sync 5) and the per-step signal to the other warpgroup's
     # barrier (bar.arrive 4 + 1 - wg, a register operand).
     assert ("bar.sync 5, 256;" in txt) == named
@@ -39,6 +43,24 @@ def test_forward_named_sched_gpu_lowering(persistent):
     assert ("bar.sync $0, 256;" in txt) == named
   with pytest.raises(ValueError, match="named_sched"):
     api.TuningConfig(named_sched=1)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_forward_named_kv_release_gpu_lowering(persistent):
+  """named_kv_release=True hands K / V ring slots back on named barriers over all three warpgroups
+  (bar.arrive / bar.sync ..., 384) instead of the k_used / v_used mbarriers."""
+  for named in (False, True):
+    txt = _lower_forward_for_gpu(api.TuningConfig(persistent=persistent,
+                                                  named_kv_release=named))
+    assert ("bar.arrive $0, 384;" in txt) == named
+    assert ("bar.sync $0, 384;" in txt) == named
+  with pytest.raises(ValueError, match="named_kv_release"):
+    api.TuningConfig(named_kv_release="yes")
+
+
+def test_interpret_forward_named_kv_release_falls_back():
+  """named_kv_release=True in interpret mode keeps the mbarriers (same results)."""
+  _check_interpret_forward(True, api.TuningConfig(persistent=True, named_kv_release=True))
 
 
 def _check_interpret_forward(causal, config):
@@ -113,11 +135,13 @@ _BWD_CONFIGS = [
     (True, dict(overlap=True)),
     (True, dict(overlap=True, block_kv_dq=128, block_q_dkv=128, max_concurrent_steps=3)),
     (False, dict(overlap=False, block_kv_dq=128, block_q_dkv=128)),
+    (True, dict(overlap=True, named_barriers=True)),  # interpret mode keeps the mbarriers
 ]
 
 
 @pytest.mark.parametrize("causal,cfg", _BWD_CONFIGS,
-                         ids=["overlap", "overlap-b128-mcs3", "nooverlap-b128-full"])
+                         ids=["overlap", "overlap-b128-mcs3", "nooverlap-b128-full",
+                              "named-fallback"])
 def test_interpret_backward_configs(causal, cfg):
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   rng = np.random.default_rng(17 + len(cfg))
@@ -222,6 +246,33 @@ def test_fused_backward_gpu_lowering(hq, hkv):
       q64, k64, k64, q64, lse, q64, seg, seg, seg, sd((), jnp.int32)).lower(
           lowering_platforms=("cuda",)).as_text()
   assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 2
+
+
+@pytest.mark.parametrize("fused,mcs", [(False, 2), (False, 4), (True, 2), (True, 3)])
+def test_backward_named_barriers_gpu_lowering(fused, mcs):
+  """BwdTuningConfig(named_barriers=True) releases the SMEM ring slots on named barriers of all
+  three warpgroups (bar.arrive / bar.sync ..., 384) and, in the fused kernel, hands dS^T over on
+  named barriers of the two compute warpgroups (256); the default config has neither."""
+  import re
+
+  import jax
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  sd = jax.ShapeDtypeStruct
+  q, k = sd((640, 4, 128), jnp.bfloat16), sd((640, 1, 128), jnp.bfloat16)
+  lse, seg = sd((640, 4), jnp.float32), sd((3,), jnp.int32)
+  for named in (False, True):
+    cfg = bwd.BwdTuningConfig(fused=fused, named_barriers=named, max_concurrent_steps=mcs)
+    txt = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(
+        *a, causal=True, sm_scale=0.1, config=cfg)).trace(
+            q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert ("bar.arrive $0, 384;" in txt) == named
+    assert ("bar.sync $0, 384;" in txt) == named
+    # The fused kernel's warpgroup index is static there, so its hand-over ids are immediates.
+    assert bool(re.search(r"bar\.arrive \d+, 256;", txt)) == (named and fused)
+    assert bool(re.search(r"bar\.sync \d+, 256;", txt)) == (named and fused)
+  with pytest.raises(ValueError, match="named_barriers"):
+    bwd.BwdTuningConfig(named_barriers=1)
 
 
 def test_fused_backward_rejects_unsupported():

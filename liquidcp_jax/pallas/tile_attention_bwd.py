@@ -63,6 +63,7 @@ from jax import lax  # noqa: E402
 import jax.experimental.pallas as pl  # noqa: E402
 import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 
+from liquidcp_jax.pallas.sync import RingRelease  # noqa: E402
 from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store, masked_split_loop  # noqa: E402
 
 _LOG2E = math.log2(math.e)
@@ -85,13 +86,19 @@ class BwdTuningConfig:
   ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module).
   ``fused=None`` (default) picks it by :meth:`use_fused`: on the H200 "pair" won on dense causal
   32K (477 vs 452 TFLOP/s) but lost on dense 8K (400 vs 419) and on every packed 64K batch
-  (Pile-CC 290 vs 362, FreeLaw 355 vs 394, ArXiv 417 vs 423; RESULTS.md, fourth session)."""
+  (Pile-CC 290 vs 362, FreeLaw 355 vs 394, ArXiv 417 vs 423; RESULTS.md, fourth session).
+
+  ``named_barriers=True``: the compute warpgroups hand SMEM ring slots back to the producer on
+  hardware named barriers (:class:`sync.RingRelease`), and the fused kernel's two
+  per-step warpgroup hand-overs (dS^T ready / dS^T free) use named barriers too. Opt-in until
+  measured on the H200; GPU only (interpret mode keeps the mbarriers)."""
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
   overlap: bool = True
   fused: bool | None = None
   fused_split: str = "pair"
+  named_barriers: bool = False
   # Mean segment-capacity length at and above which ``fused=None`` runs the fused kernel.
   fused_from_tokens_per_segment: int = 32768
 
@@ -107,6 +114,8 @@ class BwdTuningConfig:
       raise ValueError(f"fused_split must be 'pair' or 'wg', got {self.fused_split!r}")
     if self.fused not in (None, True, False):
       raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
+    if not isinstance(self.named_barriers, bool):
+      raise ValueError(f"named_barriers must be a bool, got {self.named_barriers!r}")
     if self.fused_from_tokens_per_segment < 1:
       raise ValueError("fused_from_tokens_per_segment must be >= 1, got "
                        f"{self.fused_from_tokens_per_segment}")
@@ -121,6 +130,18 @@ class BwdTuningConfig:
 
 
 _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)
+# Named barrier ids of the backward kernels (Mosaic GPU keeps 0-3, see pallas.sync): ring releases from 4 (dQ: K and
+# V rings, 2 * max_concurrent_steps ids; dK/dV and fused: one ring), the fused kernel's dS^T
+# hand-overs after them.
+RELEASE_BARRIER_ID = 4
+
+
+def ring_release(used, config: "BwdTuningConfig", interpret: bool, base: int = RELEASE_BARRIER_ID):
+  """The ring release of ``used`` ([mcs] mbarriers) under ``config.named_barriers``."""
+  named = config.named_barriers and not interpret
+  return RingRelease(used, base if named else None)
+
+
 _TF = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
@@ -258,11 +279,12 @@ def store_dk_dv(stage, dk, dv, out_dtype, dk_ref, dv_ref, *, rows0, kvh, lo, hi)
   plgpu.wait_smem_to_gmem(0)
 
 
-def stream_query_tiles(srcs, dsts, bars, used, *, kvh, group, t_lo, nt, col_base, bc, mcs):
+def stream_query_tiles(srcs, dsts, bars, release, *, kvh, group, t_lo, nt, col_base, bc, mcs):
   """Producer of the dK/dV-side kernels: streams, for every q head of KV head ``kvh`` and every
   query tile ``t_lo .. t_lo + nt - 1`` of the task, the Q, LSE, dO and delta tiles into a ring of
-  ``mcs`` SMEM slots, waiting on ``used`` (two arrivals: both compute warpgroups) before reusing a
-  slot, and finally observes the last releases so every barrier phase is seen before teardown.
+  ``mcs`` SMEM slots, waiting on ``release`` (a :class:`RingRelease`: both compute warpgroups)
+  before reusing a slot, and finally observes the last releases so every barrier phase is seen
+  before teardown.
 
   srcs: GMEM refs (q [Tq, Hq, D], lse2 [Hq, Tq], do [Tq, Hq, D], delta [Hq, Tq]); dsts: the SMEM
   rings ([mcs, bc, D] / [mcs, bc]); bars: their "loaded" barriers, in the same order.
@@ -285,12 +307,12 @@ def stream_query_tiles(srcs, dsts, bars, used, *, kvh, group, t_lo, nt, col_base
   @pl.loop(mcs, jnp.maximum(total, mcs))
   def _(c):
     slot = lax.rem(c, jnp.int32(mcs))
-    plgpu.barrier_wait(used.at[slot])
+    release.wait(slot)
     issue(c, slot)
 
   @pl.loop(jnp.maximum(total - mcs, 0), total)
   def _(c):
-    plgpu.barrier_wait(used.at[lax.rem(c, jnp.int32(mcs))])
+    release.wait(lax.rem(c, jnp.int32(mcs)))
 
 
 def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale,
@@ -309,6 +331,8 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref, sc):
     (q_s2, do_s2, ld_s, k_s, v_s, o_s2, st_s2), in_bars, (k_bar, v_bar), (k_used, v_used) = sc
+    k_release = ring_release(k_used, config, interpret)
+    v_release = ring_release(v_used, config, interpret, RELEASE_BARRIER_ID + mcs)
     head = lax.axis_index("heads")
     task = lax.axis_index("tasks")
     wg = lax.axis_index("wg")
@@ -355,10 +379,10 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
           p = probs(_mm_t(q_s, k_s.at[slot], (_ROWS, bkv)))
           plgpu.barrier_wait(v_bar.at[slot])
           dp = _mm_t(do_s, v_s.at[slot], (_ROWS, bkv))
-        plgpu.barrier_arrive(v_used.at[slot])
+        v_release.arrive(slot)
         ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
         dq = _mm_reg_lhs(dq, ds.astype(dtype), k_s.at[slot], st_s, interpret)
-        plgpu.barrier_arrive(k_used.at[slot])
+        k_release.arrive(slot)
         return dq
 
       dq = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, dq)
@@ -387,15 +411,15 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
       @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
       def _(j):
         slot = lax.rem(j, jnp.int32(mcs))
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+        k_release.wait(slot)
+        v_release.wait(slot)
         issue(j, slot)
 
       @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
       def _(j):
         slot = lax.rem(j, jnp.int32(mcs))
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+        k_release.wait(slot)
+        v_release.wait(slot)
 
   def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref):
     scratch = [
@@ -441,6 +465,7 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, sc):
     (k_s2, v_s2, q_s, do_s, lse_s, dl_s, o_s2, st_s2), in_bars, bars, used = sc
+    release = ring_release(used, config, interpret)
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = reverse_task_scalars(tab)
 
     @pl.when(wg < 2)
@@ -489,7 +514,7 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
           dv = _mm_reg_lhs(dv, pt.astype(dtype), do_s.at[slot], st_s, interpret)
           dpt = _mm_t(v_s, do_s.at[slot], (_ROWS, bc))
           dk = _mm_reg_lhs(dk, ds_t(pt, dpt), q_s.at[slot], st_s, interpret)
-        plgpu.barrier_arrive(used.at[slot])
+        release.arrive(slot)
         return dk, dv
 
       def head_body(g, carry):
@@ -506,7 +531,7 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
       plgpu.set_max_registers(40, action="decrease")
       q_bar, do_bar, lse_bar, dl_bar = bars
       stream_query_tiles((q_ref, lse_ref, do_ref, dl_ref), (q_s, lse_s, do_s, dl_s),
-                         (q_bar, lse_bar, do_bar, dl_bar), used,
+                         (q_bar, lse_bar, do_bar, dl_bar), release,
                          kvh=kvh, group=group, t_lo=t_lo, nt=nt, col_base=col_base, bc=bc,
                          mcs=mcs)
 

@@ -35,6 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+from liquidcp_jax.pallas.sync import named_barrier
 from liquidcp_jax.pallas.tile_attention_fwd import masked_split_loop
 
 _ROWS = bwd_lib._ROWS
@@ -69,6 +70,54 @@ def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int =
   return sum(bufs) + 1024
 
 
+class DsHandover:
+  """``fused_split="pair"``: the two compute warpgroups' per-step hand-overs of the shared dS^T tile.
+
+  "ready": each warpgroup wrote its 64 keys of dS^T (both needed before either dQ wgmma);
+  "free": each warpgroup's dQ wgmma, which reads both halves, is done (both needed before either
+  overwrites its half). mbarriers (two arrivals) by default; with ``named`` (GPU only) each is a
+  pair of hardware named barriers of the two compute warpgroups (256 threads), warpgroup ``w``
+  waiting on its own (``bar.sync``) and signalling the other's (``bar.arrive``, no wait). A second
+  signal of one warpgroup cannot land in the same phase: its next "ready" comes after its "free"
+  wait, and its next "free" after its "ready" wait. The last step's "free" has no waiter and is
+  not signalled on named barriers, so every named barrier ends complete."""
+
+  def __init__(self, ready, free, w: int, named: bool, mcs: int):
+    self.ready, self.free, self.w, self.named = ready, free, w, named
+    self.ready_id = bwd_lib.RELEASE_BARRIER_ID + mcs
+    self.free_id = self.ready_id + 2
+
+  def _arrive_other(self, base):
+    named_barrier("arrive", base + 1 - self.w, 2 * 128)
+
+  def _wait_own(self, base):
+    named_barrier("sync", base + self.w, 2 * 128)
+
+  def signal_ready(self):
+    if self.named:
+      self._arrive_other(self.ready_id)
+    else:
+      plgpu.barrier_arrive(self.ready)
+
+  def wait_ready(self):
+    if self.named:
+      self._wait_own(self.ready_id)
+    else:
+      plgpu.barrier_wait(self.ready)
+
+  def signal_free(self, is_last):
+    if self.named:
+      pl.when(jnp.logical_not(is_last))(lambda: self._arrive_other(self.free_id))
+    else:
+      plgpu.barrier_arrive(self.free)
+
+  def wait_free(self):
+    if self.named:
+      self._wait_own(self.free_id)
+    else:
+      plgpu.barrier_wait(self.free)
+
+
 def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, causal, sm_scale,
                           config: "bwd_lib.BwdTuningConfig"):
   """dK, dV (returned) and dQ (added into ``dq_acc``) in one kernel.
@@ -93,6 +142,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
     (k_s, v_s, q_s, do_s, lse_s, dl_s, ds_s, *stage), kv_bar, bars, used, ds_bars = sc
     ds_ready, ds_free = ds_bars
+    release = bwd_lib.ring_release(used, config, False)
+    named = config.named_barriers
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = bwd_lib.reverse_task_scalars(tab)
 
     def compute(w):
@@ -115,6 +166,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       ds_lhs = ds_s if pair else ds_s.at[my_rows]
       zero = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       zero_q = plgpu.layout_cast(jnp.full((bc, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      ds_handover = DsHandover(ds_ready, ds_free, w, named, mcs)
 
       def step(g, j, carry, masked):
         dk, dv = carry
@@ -144,28 +196,26 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         ds = (pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))).astype(dtype)
         if pair:
           # ds_s is read by both warpgroups' previous dQ wgmma: wait until both are done.
-          @pl.when(c > 0)
-          def _():
-            plgpu.barrier_wait(ds_free)
+          pl.when(c > 0)(lambda: ds_handover.wait_free())
 
         ds_s.at[my_rows][...] = ds
         plgpu.commit_smem()
         if pair:
-          plgpu.barrier_arrive(ds_ready)
+          ds_handover.signal_ready()
 
         def mms(refs):
           rv, rk, rq = refs
           plgpu.wgmma(rv, pt.astype(dtype), do_s.at[slot])
           plgpu.wgmma(rk, ds, q_s.at[slot])
           if pair:
-            plgpu.barrier_wait(ds_ready)
+            ds_handover.wait_ready()
           plgpu.wgmma(rq, ds_lhs.transpose((1, 0)), k_half)
 
         dv, dk, dq = pl.run_state(mms)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero_q)))
-        plgpu.barrier_arrive(used.at[slot])
+        release.arrive(slot)
         if pair:
-          plgpu.barrier_arrive(ds_free)
+          ds_handover.signal_free(is_last=c + 1 == group * nt)
         # The previous reduce-add must have read dq_s before it is overwritten. (Two staging
         # buffers, letting one reduce-add stay in flight, measured no faster on the H200.)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -198,7 +248,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_s, kv_bar.at[0])
       plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_s, kv_bar.at[1])
       bwd_lib.stream_query_tiles((q_ref, do_ref, lse_ref, dl_ref), (q_s, do_s, lse_s, dl_s), bars,
-                                 used, kvh=kvh, group=group, t_lo=t_lo, nt=nt, col_base=col_base,
+                                 release, kvh=kvh, group=group, t_lo=t_lo, nt=nt, col_base=col_base,
                                  bc=bc, mcs=mcs)
 
   def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref):

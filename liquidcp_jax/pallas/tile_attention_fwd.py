@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from liquidcp_jax.pallas import tables as tables_lib
+from liquidcp_jax.pallas.sync import RingRelease, named_barrier
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -43,6 +43,10 @@ class TuningConfig:
   by default: on the H200 (RESULTS.md, 2026-12-03 fourth session, run l) the persistent forward ran
   417.5 vs 373.3 TFLOP/s at dense 8K and 571.5 vs 556.0 at 32K (round-robin), and 458.5 vs 436.1
   on packed Pile-CC 64K (run m). GPU only (interpret mode keeps the mbarrier, same results).
+  ``named_kv_release``: the compute warpgroups hand consumed K / V ring slots back to the producer
+  with ``bar.arrive`` on hardware named barriers (one instruction per warp) instead of an SMEM
+  mbarrier arrive from every thread (see :class:`RingRelease`). Opt-in until measured on the H200;
+  GPU only (interpret mode keeps the mbarriers).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -50,6 +54,7 @@ class TuningConfig:
   persistent: bool | None = None
   num_ctas: int | None = None
   named_sched: bool = True
+  named_kv_release: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -64,13 +69,15 @@ class TuningConfig:
       raise ValueError(f"num_ctas must be None or >= 1, got {self.num_ctas}")
     if not isinstance(self.named_sched, bool):
       raise ValueError(f"named_sched must be a bool, got {self.named_sched!r}")
+    if not isinstance(self.named_kv_release, bool):
+      raise ValueError(f"named_kv_release must be a bool, got {self.named_kv_release!r}")
 
-  # Mean segment-capacity length at and above which the plain grid wins (H200, 2026-12-03,
-  # RESULTS.md): dense causal 32K ran 598 TFLOP/s plain vs 559 persistent, while packed 64K
-  # batches (capacity 128 segments, i.e. 512 tokens per slot) ran 445 vs 403 (Pile-CC) and
-  # 537 vs 519 (FreeLaw) persistent; dense 8K was within the run-to-run spread (434 vs 424).
-  # Those runs predate the (tasks, heads) launch order of the plain grid; after it only dense 8K
-  # was re-timed: 421 plain vs 436 persistent (round-robin; RESULTS.md, third session).
+  # Mean segment-capacity length at and above which the plain grid runs (H200, RESULTS.md). With
+  # the (tasks, heads) launch order and the named-barrier ping-pong (fourth session, runs l, m)
+  # persistent won clearly at dense 8K (417.5 vs 366.6 TFLOP/s round-robin) and on packed 64K
+  # batches (capacity 128, i.e. 512 tokens per slot: Pile-CC 458.5 vs 414.4, FreeLaw 511.3 vs
+  # 497.0, ArXiv 509.3 vs 508.3) and tied at dense 32K (571.5 vs 569.3; 577.3 vs 577.6). Before
+  # those changes dense 32K ran 598 plain vs 559 persistent (first session), hence the threshold.
   persistent_below_tokens_per_segment: int = 16384
 
   def use_persistent(self, num_q_rows: int, segment_capacity: int) -> bool:
@@ -85,15 +92,23 @@ class TuningConfig:
     return 2 * self.block_q
 
 
+def kv_releases(k_used, v_used, mcs: int, named: bool) -> tuple[RingRelease, RingRelease]:
+  """The forward's K and V ring releases (named barriers from RING_RELEASE_BARRIER_ID)."""
+  if not named:
+    return RingRelease(k_used), RingRelease(v_used)
+  return (RingRelease(k_used, RING_RELEASE_BARRIER_ID),
+          RingRelease(v_used, RING_RELEASE_BARRIER_ID + mcs))
+
+
 class StepCtx(NamedTuple):
   """What every online-softmax step of one warpgroup's KV loop needs (both forward kernels).
 
   Refs: ``q_smem`` [block_q, D] (this warpgroup's Q rows), ``k_smem`` / ``v_smem`` [slots,
   block_kv, D] (the KV ring), ``p_smem`` [block_q, block_kv] (interpret-mode staging of P, else
-  None), ring barriers ``k_bar`` / ``v_bar`` (loaded) and ``k_used`` / ``v_used`` (consumed), the
-  ping-pong mbarrier ``sched`` (unused with named barriers). ``wg``: this compute warpgroup (0/1).
-  Task scalars: ``r0`` (first row of this warpgroup in the task tile),
-  ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``. ``slot_of(i)``
+  None), ring barriers ``k_bar`` / ``v_bar`` (loaded), ``k_release`` / ``v_release`` (consumed,
+  :class:`RingRelease`), the ping-pong mbarrier ``sched`` (unused with named barriers). ``wg``:
+  this compute warpgroup (0/1). Task scalars: ``r0`` (first row of this warpgroup in the task
+  tile), ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``. ``slot_of(i)``
   maps the task's tile ``i`` to its ring slot (the persistent kernel's ring runs across tasks).
   """
   q_smem: Any
@@ -102,8 +117,8 @@ class StepCtx(NamedTuple):
   p_smem: Any
   k_bar: Any
   v_bar: Any
-  k_used: Any
-  v_used: Any
+  k_release: RingRelease
+  v_release: RingRelease
   sched: Any
   r0: Any
   kv_lo: Any
@@ -169,32 +184,11 @@ class StepCtx(NamedTuple):
       pl.when(wg == 0)(self._meet)
 
 
-# Mosaic GPU's own named barriers: 0 (CTA-wide) and 1 + warpgroup index (warpgroup-wide); the
-# ping-pong uses SCHED_BARRIER_ID (warpgroup 0 waits there) and SCHED_BARRIER_ID + 1.
+# Named barrier ids (Mosaic GPU keeps 0-3, see pallas.sync): the ping-pong uses SCHED_BARRIER_ID
+# (warpgroup 0 waits there) and SCHED_BARRIER_ID + 1; the K and V ring releases take
+# 2 * max_concurrent_steps ids from RING_RELEASE_BARRIER_ID (up to id 13 of the 16).
 SCHED_BARRIER_ID = 4
-
-
-def named_barrier(op: str, barrier_id, num_threads: int):
-  """``bar.{op} barrier_id, num_threads`` (``op`` "sync" or "arrive") on a hardware named barrier,
-  which completes once ``num_threads`` threads (whole warps) of the CTA arrived; "sync" also waits
-  for that. ``barrier_id`` is an int or an int32 scalar uniform over the warpgroup. GPU only (the
-  interpreter has no inline Mosaic GPU)."""
-  if op not in ("sync", "arrive"):
-    raise ValueError(f"op must be 'sync' or 'arrive', got {op!r}")
-  if isinstance(barrier_id, int):
-    @plgpu.inline_mgpu()
-    def static_op(_):
-      mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", has_side_effects=True,
-                            convergent=True)
-
-    static_op()
-  else:
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-    def dynamic_op(_, bid):
-      mgpu_utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()],
-                            has_side_effects=True, convergent=True)
-
-    dynamic_op(jnp.asarray(barrier_id, jnp.int32))
+RING_RELEASE_BARRIER_ID = 6
 
 
 def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
@@ -212,7 +206,7 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
     return s_ref[...]
 
   s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
-  plgpu.barrier_arrive(cx.k_used.at[slot])
+  cx.k_release.arrive(slot)
   if after_qk is not None:
     after_qk()
   s = s * cx.scale2  # log2 units: p = exp2(s - m)
@@ -262,7 +256,7 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
       prefetch_wait()
 
     acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
-  plgpu.barrier_arrive(cx.v_used.at[slot])
+  cx.v_release.arrive(slot)
   return acc, m_new, l_i
 
 
@@ -309,7 +303,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
   def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
     (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
     k_bar, v_bar, q_bar = bars
-    k_used, v_used = consumed
+    k_release, v_release = kv_releases(*consumed, mcs, config.named_kv_release and not interpret)
     head = lax.axis_index("heads")
     task = lax.axis_index("tasks")
     wg = lax.axis_index("wg")
@@ -339,7 +333,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
         plgpu.barrier_wait(k_bar.at[0])
 
       cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar, v_bar,
-                   k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
+                   k_release, v_release, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                    lambda i: lax.rem(i, jnp.int32(mcs)), bq, bkv, d, dtype, causal, scale2,
                    interpret, config.named_sched, wg)
       cx.sched_start(wg)
@@ -378,16 +372,15 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
       def _(j):
         slot = lax.rem(j, jnp.int32(mcs))
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+        k_release.wait(slot)
+        v_release.wait(slot)
         issue(j, slot)
 
       # Observe the last consumptions too, so every barrier phase is seen before teardown.
       @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
       def _(j):
-        slot = lax.rem(j, jnp.int32(mcs))
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+        k_release.wait(lax.rem(j, jnp.int32(mcs)))
+        v_release.wait(lax.rem(j, jnp.int32(mcs)))
 
   def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

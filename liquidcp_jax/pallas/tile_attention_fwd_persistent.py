@@ -29,8 +29,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.tile_attention_fwd import (_LN2, _LOG2E, StepCtx, TuningConfig,
-                                                   _ladder_store, masked_split_loop,
-                                                   softmax_step)
+                                                   _ladder_store, kv_releases,
+                                                   masked_split_loop, softmax_step)
 
 
 def num_sms(default: int = 132) -> int:
@@ -71,6 +71,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
     (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
     k_bar, v_bar, q_bar = bars
     k_used, v_used, q_free = consumed
+    k_release, v_release = kv_releases(k_used, v_used, mcs,
+                                       config.named_kv_release and not interpret)
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
 
@@ -113,7 +115,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
             plgpu.barrier_wait(k_bar.at[lax.rem(c0, jnp.int32(mcs))])
 
           cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar,
-                       v_bar, k_used, v_used, sched, r0, kv_lo, kv_hi, diag, n_tiles,
+                       v_bar, k_release, v_release, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                        lambda i: lax.rem(c0 + i, jnp.int32(mcs)), bq, bkv, d, dtype, causal,
                        scale2, interpret, config.named_sched, wg)
           cx.sched_start(wg)
@@ -179,8 +181,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
 
             @pl.when(c >= mcs)
             def _():
-              plgpu.barrier_wait(k_used.at[slot])
-              plgpu.barrier_wait(v_used.at[slot])
+              k_release.wait(slot)
+              v_release.wait(slot)
 
             rows = pl.ds(kv_base + j * bkv, bkv)
             plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
@@ -193,9 +195,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       # Observe the last consumptions too, so every barrier phase is seen before teardown.
       @pl.loop(jnp.maximum(total - mcs, 0), total)
       def _(c):
-        slot = lax.rem(c, jnp.int32(mcs))
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+        k_release.wait(lax.rem(c, jnp.int32(mcs)))
+        v_release.wait(lax.rem(c, jnp.int32(mcs)))
 
       # And the Q release of the last live item (only the last round can be dead).
       plgpu.barrier_wait(q_free)
