@@ -130,9 +130,9 @@ class BwdTuningConfig:
 
 
 _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)
-# Named barrier ids of the backward kernels (Mosaic GPU keeps 0-3, see pallas.sync): ring releases from 4 (dQ: K and
-# V rings, 2 * max_concurrent_steps ids; dK/dV and fused: one ring), the fused kernel's dS^T
-# hand-overs after them.
+# Named barrier ids of the backward kernels (Mosaic GPU keeps 0-3, see pallas.sync): ring
+# releases from 4 (dQ: K and V rings, 2 * max_concurrent_steps ids; dK/dV and fused: one ring),
+# the fused kernel's dS^T hand-overs after them.
 RELEASE_BARRIER_ID = 4
 
 

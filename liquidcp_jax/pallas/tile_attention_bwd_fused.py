@@ -17,9 +17,10 @@ every q head of the group (64 queries per tile) and, per tile,
 The accumulator is a ``jax.Ref`` (zeros) passed in; the wrapper scales it by ``sm_scale`` and casts.
 ``block_q_dkv=64`` (SMEM). The GPU interpreter has no TMA reduce-add, so this kernel runs on the
 GPU only; on CPU its lowering is checked (SMEM budget, layouts). Measured on the H200 (RESULTS.md,
-2026-12-03 third session) it is correct; on dense causal 8K it is faster than the two-kernel backward
-(400 vs 385 TFLOP/s), on a packed Pile-CC 64K batch slower (293 vs 338), hence opt-in
-(``BwdTuningConfig(fused=True)``).
+2026-12-03 fourth session) it is correct and faster than the two-kernel backward on dense causal
+32K (477 vs 452 TFLOP/s) but slower on dense 8K and on packed 64K batches, so the default
+``BwdTuningConfig(fused=None)`` runs it only from 32K tokens per segment slot; ``fused=True``
+forces it.
 Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
 are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
 take the masked path for every tile.
@@ -71,7 +72,7 @@ def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int =
 
 
 class DsHandover:
-  """``fused_split="pair"``: the two compute warpgroups' per-step hand-overs of the shared dS^T tile.
+  """``fused_split="pair"``: the compute warpgroups' per-step hand-overs of the shared dS^T tile.
 
   "ready": each warpgroup wrote its 64 keys of dS^T (both needed before either dQ wgmma);
   "free": each warpgroup's dQ wgmma, which reads both halves, is done (both needed before either

@@ -108,8 +108,9 @@ class StepCtx(NamedTuple):
   None), ring barriers ``k_bar`` / ``v_bar`` (loaded), ``k_release`` / ``v_release`` (consumed,
   :class:`RingRelease`), the ping-pong mbarrier ``sched`` (unused with named barriers). ``wg``:
   this compute warpgroup (0/1). Task scalars: ``r0`` (first row of this warpgroup in the task
-  tile), ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``. ``slot_of(i)``
-  maps the task's tile ``i`` to its ring slot (the persistent kernel's ring runs across tasks).
+  tile), ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``.
+  ``slot_of(i)`` maps the task's tile ``i`` to its ring slot (the persistent kernel's ring runs
+  across tasks).
   """
   q_smem: Any
   k_smem: Any
