@@ -134,8 +134,8 @@ class StepCtx(NamedTuple):
   causal: bool
   scale2: float
   interpret: bool
-  named_sched: bool = False
-  wg: Any = 0
+  named_sched: bool
+  wg: Any
 
   @property
   def uses_named_barrier(self) -> bool:
@@ -153,36 +153,36 @@ class StepCtx(NamedTuple):
     plgpu.barrier_arrive(self.sched)
     plgpu.barrier_wait(self.sched)
 
-  def sched_start(self, wg):
+  def sched_start(self):
     """Before the KV loop: warpgroup 1 waits for warpgroup 0's first Q K^T."""
     if self.uses_named_barrier:
-      pl.when(wg == 1)(lambda: named_barrier("sync", SCHED_BARRIER_ID + 1, 2 * 128))
+      pl.when(self.wg == 1)(lambda: named_barrier("sync", SCHED_BARRIER_ID + 1, 2 * 128))
     else:
-      pl.when(wg == 1)(self._meet)
+      pl.when(self.wg == 1)(self._meet)
 
-  def sched_after_qk(self, wg):
+  def sched_after_qk(self):
     """Q K^T issued: let the other warpgroup issue its GEMMs."""
     if self.uses_named_barrier:
-      named_barrier("arrive", SCHED_BARRIER_ID + 1 - wg, 2 * 128)
+      named_barrier("arrive", SCHED_BARRIER_ID + 1 - self.wg, 2 * 128)
     else:
       self._meet()
 
-  def sched_before_pv(self, wg):
+  def sched_before_pv(self):
     """Before P V: wait until the other warpgroup has issued its Q K^T."""
     if self.uses_named_barrier:
-      named_barrier("sync", SCHED_BARRIER_ID + wg, 2 * 128)
+      named_barrier("sync", SCHED_BARRIER_ID + self.wg, 2 * 128)
     else:
       self._meet()
 
-  def sched_end(self, wg, *, wait: bool = False):
+  def sched_end(self, *, wait: bool = False):
     """After the KV loop: warpgroup 0 releases warpgroup 1's last wait (balances sched_start).
     ``wait`` (the persistent kernel, which runs the loop again): warpgroup 0 also waits for that
     last wait, so its next item's first signal cannot land in the same barrier phase."""
     if self.uses_named_barrier:
       op = "sync" if wait else "arrive"
-      pl.when(wg == 0)(lambda: named_barrier(op, SCHED_BARRIER_ID + 1, 2 * 128))
+      pl.when(self.wg == 0)(lambda: named_barrier(op, SCHED_BARRIER_ID + 1, 2 * 128))
     else:
-      pl.when(wg == 0)(self._meet)
+      pl.when(self.wg == 0)(self._meet)
 
 
 # Named barrier ids (Mosaic GPU keeps 0-3, see pallas.sync): the ping-pong uses SCHED_BARRIER_ID
@@ -203,7 +203,7 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
 
   def qk_scope(s_ref):
     plgpu.wgmma(s_ref, cx.q_smem, cx.k_smem.at[slot].transpose((1, 0)))
-    cx.sched_after_qk(cx.wg)
+    cx.sched_after_qk()
     return s_ref[...]
 
   s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bkv), jnp.float32))
@@ -231,7 +231,7 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   p16 = p.astype(cx.dtype)
   acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
   plgpu.barrier_wait(cx.v_bar.at[slot])
-  cx.sched_before_pv(cx.wg)
+  cx.sched_before_pv()
 
   def prefetch_wait():
     nxt = j + 1
@@ -337,12 +337,12 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
                    k_release, v_release, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                    lambda i: lax.rem(i, jnp.int32(mcs)), bq, bkv, d, dtype, causal, scale2,
                    interpret, config.named_sched, wg)
-      cx.sched_start(wg)
+      cx.sched_start()
       step = functools.partial(softmax_step, cx)
 
       carry = (acc, m_i, l_i)
       acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
-      cx.sched_end(wg)
+      cx.sched_end()
 
       empty = l_i == 0.0
       inv_l = 1.0 / jnp.where(empty, 1.0, l_i)

@@ -118,7 +118,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
                        v_bar, k_release, v_release, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                        lambda i: lax.rem(c0 + i, jnp.int32(mcs)), bq, bkv, d, dtype, causal,
                        scale2, interpret, config.named_sched, wg)
-          cx.sched_start(wg)
+          cx.sched_start()
 
           def step(j, carry, masked):
             def release_q():
@@ -130,7 +130,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           carry = (acc, m_i, l_i)
           acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
           pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # gap task: no Q K^T
-          cx.sched_end(wg, wait=True)
+          cx.sched_end(wait=True)
 
           empty = l_i == 0.0
           inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
