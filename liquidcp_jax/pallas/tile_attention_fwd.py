@@ -174,10 +174,11 @@ class StepCtx(NamedTuple):
     else:
       self._meet()
 
-  def sched_end(self, *, wait: bool = False):
+  def sched_end(self, *, wait: bool):
     """After the KV loop: warpgroup 0 releases warpgroup 1's last wait (balances sched_start).
-    ``wait`` (the persistent kernel, which runs the loop again): warpgroup 0 also waits for that
-    last wait, so its next item's first signal cannot land in the same barrier phase."""
+    ``wait`` must be True wherever the loop runs again (the persistent kernel): warpgroup 0 then
+    also waits for that last wait, so its next item's first signal cannot land in the same barrier
+    phase. False (one loop per CTA) lets warpgroup 0 go on to its epilogue at once."""
     if self.uses_named_barrier:
       op = "sync" if wait else "arrive"
       pl.when(self.wg == 0)(lambda: named_barrier(op, SCHED_BARRIER_ID + 1, 2 * 128))
@@ -342,7 +343,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
 
       carry = (acc, m_i, l_i)
       acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
-      cx.sched_end()
+      cx.sched_end(wait=False)  # one KV loop per CTA
 
       empty = l_i == 0.0
       inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
