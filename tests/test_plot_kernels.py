@@ -1,0 +1,30 @@
+"""benchmarks/plot_kernels.py on the recorded kernel runs: ratios recomputed from the TFLOP/s."""
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+sys.path.insert(0, BENCH)
+import plot_kernels  # noqa: E402
+
+
+def test_plot_from_recorded_runs(tmp_path):
+  pytest.importorskip("matplotlib")
+  pattern = os.path.join(BENCH, "results", "kernels*_2026-12-03_*.json")
+  out = tmp_path / "ratios.png"
+  pts = plot_kernels.main(["--glob", pattern, "--out", str(out)])
+  assert out.stat().st_size > 10_000
+  # Run n's dense 8K row: ours / cuDNN recomputed equals the ratio kernels.py stored.
+  with open(os.path.join(BENCH, "results", "kernels_dense_2026-12-03_n.json")) as fh:
+    row = next(r for r in json.load(fh)["rows"] if r["S"] == 8192)
+  (n8,) = [v for run, s, il, v in pts if run == "n" and s == 8192]
+  assert n8["ours fwd"] == pytest.approx(row["ratio_ours_fwd/cudnn_fwd"], abs=1e-3)
+  assert all(il for run, s, il, v in pts if run in "ghiklno")  # round-robin runs
+  assert not any(il for run, s, il, v in pts if run in "abcdef")
+
+
+def test_plot_without_rows_fails_loudly(tmp_path):
+  with pytest.raises(SystemExit, match="no dense rows"):
+    plot_kernels.main(["--glob", str(tmp_path / "none_*.json"), "--out", str(tmp_path / "x.png")])
