@@ -29,34 +29,26 @@ from liquidcp_jax.pallas import tables as tl  # noqa: E402
 from liquidcp_jax.pallas import tile_attention_bwd as bwd  # noqa: E402
 from liquidcp_jax.pallas import tile_attention_fwd as fwd  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import median_time, round_robin  # noqa: E402
+
 HQ, HKV, D = 32, 8, 128
 
 
 def timeit(f, *a, n):
-  jax.block_until_ready(f(*a))
-  jax.block_until_ready(f(*a))
-  ts = []
-  for _ in range(n):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts)) * 1e3
+  """Median ms of ``n`` calls after a compile and a warm-up call (``kernels.median_time``)."""
+  return median_time(f, *a, n=n)[0] * 1e3
 
 
 def interleaved(fns, args, n, flops, emit):
   """Times ``fns`` ({name: f}) on the same ``args`` round-robin (2n rounds after two warm-ups each),
   so clock drift hits all alike; emits "<name> (interleaved)" per function."""
-  ts = {nm: [] for nm in fns}
   for f in fns.values():
     jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
-  for _ in range(2 * n):
-    for nm, f in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      ts[nm].append(time.perf_counter() - t)
+  med = round_robin([(nm, f, args) for nm, f in fns.items()], 2 * n)
   for nm in fns:
-    emit(nm + " (interleaved)", float(np.median(ts[nm])) * 1e3, flops)
+    emit(nm + " (interleaved)", med[nm] * 1e3, flops)
 
 
 def fwd_interleaved(q, k, v, seg, scale, flops, n, emit):

@@ -78,54 +78,34 @@ def trace_calls(f, args, n, **summarize_kw):
   return summarize(max(files, key=os.path.getmtime), n, **summarize_kw)
 
 
-def implementations(scale, bwd, variants):
-  """{name: (f(q, k, v, do, *seg), flop multiplier)} for the dense case."""
+def implementations(scale, seg, bwd, variants):
+  """{label: (jitted f, args after q, k, v)} for the dense case: forward f(q, k, v, *rest) and,
+  with ``bwd``, forward+backward f(q, k, v, do, *rest) (``kernels._loss_grad``); the baselines are
+  ``kernels.dense_baselines`` (rest = ()), ours takes the segment arrays ``seg``."""
   import jax
-  import jax.numpy as jnp
+  import kernels
   from liquidcp_jax.pallas import api
   from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
 
   def ours(cfg=None, bcfg=None):
-    def fwd(q, k, v, do, *sg):
-      return api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale, config=cfg)[0]
+    return lambda q, k, v, *sg: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
+                                                     config=cfg, bwd_config=bcfg)[0]
 
-    def loss(q, k, v, do, *sg):
-      o = api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale, config=cfg,
-                               bwd_config=bcfg)[0]
-      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-    return fwd, jax.grad(loss, argnums=(0, 1, 2))
-
-  def cudnn():
-    def fwd(q, k, v, do, *sg):
-      return jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
-                                          implementation="cudnn")[0]
-
-    def loss(q, k, v, do, *sg):
-      return jnp.sum(fwd(q, k, v, do).astype(jnp.float32) * do.astype(jnp.float32))
-    return fwd, jax.grad(loss, argnums=(0, 1, 2))
-
-  impls = {"ours": ours(), "cudnn": cudnn()}
-  try:
-    from kernels import import_tokamax
-    tk = import_tokamax()
-    if not isinstance(tk, str):
-      def tfwd(q, k, v, do, *sg):
-        return tk.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
-                                        implementation="mosaic")[0]
-
-      def tloss(q, k, v, do, *sg):
-        return jnp.sum(tfwd(q, k, v, do).astype(jnp.float32) * do.astype(jnp.float32))
-      impls["tokamax"] = (tfwd, jax.grad(tloss, argnums=(0, 1, 2)))
-  except Exception as e:  # noqa: BLE001 - reported, not hidden
-    print(json.dumps({"tokamax": f"unavailable: {type(e).__name__}: {str(e)[:200]}"}))
+  fwds = {"ours": (ours(), seg)}
+  tk = kernels.import_tokamax()
+  if isinstance(tk, str):
+    print(json.dumps({"tokamax": f"unavailable: {tk[:200]}"}))
+  for name, f in kernels.dense_baselines(scale, tk).items():
+    fwds[name] = (f, ())
   if variants:
-    impls["ours named_kv_release"] = ours(api.TuningConfig(named_kv_release=True))
-    impls["ours bwd named_barriers"] = ours(None, bwd_lib.BwdTuningConfig(named_barriers=True))
+    fwds["ours named_kv_release"] = (ours(api.TuningConfig(named_kv_release=True)), seg)
+    fwds["ours bwd named_barriers"] = (ours(None, bwd_lib.BwdTuningConfig(named_barriers=True)),
+                                       seg)
   out = {}
-  for name, (f, g) in impls.items():
-    out[f"{name} fwd"] = (jax.jit(f), 1.0)
+  for name, (f, rest) in fwds.items():
+    out[f"{name} fwd"] = (jax.jit(f), rest, False, 1.0)
     if bwd:
-      out[f"{name} fwd+bwd"] = (jax.jit(g), 3.5)
+      out[f"{name} fwd+bwd"] = (kernels._loss_grad(f), rest, True, 3.5)
   return out
 
 
@@ -145,13 +125,15 @@ def main():
   for s in (workloads.parse_tokens(x) for x in a.dense.split(",")):
     ks = jax.random.split(jax.random.key(s), 4)
     r = lambda k, sh: jax.random.normal(k, sh, jnp.bfloat16)
-    args = (r(ks[0], (s, HQ, D)), r(ks[1], (s, HKV, D)), r(ks[2], (s, HKV, D)),
-            r(ks[3], (s, HQ, D)), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-            jnp.full(1, s, jnp.int32), jnp.int32(1))
+    q, k, v, do = (r(ks[0], (s, HQ, D)), r(ks[1], (s, HKV, D)), r(ks[2], (s, HKV, D)),
+                   r(ks[3], (s, HQ, D)))
+    seg = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, s, jnp.int32),
+           jnp.int32(1))
     flops = 4 * D * HQ * s * s / 2
-    for name, (f, mult) in implementations(1.0 / np.sqrt(D), a.bwd, a.variants).items():
+    impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, a.variants)
+    for name, (f, rest, with_do, mult) in impls.items():
       try:
-        res = trace_calls(f, args, a.reps)
+        res = trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps)
       except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
         rows.append({"S": s, "impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)

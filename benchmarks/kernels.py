@@ -60,6 +60,33 @@ DATASETS = ("pilecc", "github", "freelaw", "arxiv", "prolong")
 LOGNORMAL = (("short(mu=6.5)", 6.5, 1.0), ("long(mu=8.5)", 8.5, 1.0))
 
 
+def median_time(f, *args, n):
+  """(median wall-clock seconds of ``n`` calls, seconds of the first call): one compile call and
+  one warm-up call first; every call waited for."""
+  t_c = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  compile_s = time.perf_counter() - t_c
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(n):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts)), compile_s
+
+
+def round_robin(items, n):
+  """{name: median wall-clock seconds} of already warmed-up ``(name, f, args)`` timed round-robin:
+  ``n`` rounds of one call each, so clock ramp-up and drift hit every implementation alike."""
+  ts = {name: [] for name, _, _ in items}
+  for _ in range(n):
+    for name, f, args in items:
+      t = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      ts[name].append(time.perf_counter() - t)
+  return {name: float(np.median(v)) for name, v in ts.items()}
+
+
 class Bench:
   """Shared state: timing settings, the time budget, rows and their incremental JSON dump."""
 
@@ -81,19 +108,6 @@ class Bench:
       with open(self.a.out, "w") as fh:
         json.dump({"meta": self.meta, "rows": self.rows}, fh, indent=1)
 
-  def time(self, f, *args, n):
-    """Median wall-clock seconds of ``n`` calls (after a compile call and a warm-up call)."""
-    t_c = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    compile_s = time.perf_counter() - t_c
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-      t = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      ts.append(time.perf_counter() - t)
-    return float(np.median(ts)), compile_s
-
   def measure_interleaved(self, res, items, n):
     """Times several ``(name, flops, f, args)`` round-robin: one call of each per round, ``n``
     rounds, median per name. Clock ramp-up and drift then hit every implementation alike instead
@@ -105,16 +119,12 @@ class Bench:
         jax.block_until_ready(f(*args))
         res[f"{name}_compile_s"] = round(time.perf_counter() - t_c, 1)
         jax.block_until_ready(f(*args))
-        live.append((name, flops, f, args, []))
+        live.append((name, flops, f, args))
       except Exception as e:
         res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    for _ in range(n):
-      for name, flops, f, args, ts in live:
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    for name, flops, f, args, ts in live:
-      t = float(np.median(ts))
+    med = round_robin([(name, f, args) for name, _, f, args in live], n)
+    for name, flops, f, args in live:
+      t = med[name]
       res[f"{name}_ms"] = round(t * 1e3, 4)
       res[f"{name}_tflops"] = round(flops / t / 1e12, 2)
 
@@ -124,7 +134,7 @@ class Bench:
       res[f"{name}_error"] = "skipped: time budget"
       return
     try:
-      t, c = self.time(f, *args, n=n)
+      t, c = median_time(f, *args, n=n)
       res[f"{name}_ms"] = round(t * 1e3, 4)
       res[f"{name}_tflops"] = round(flops / t / 1e12, 2)
       res[f"{name}_compile_s"] = round(c, 1)

@@ -88,35 +88,34 @@ class DsHandover:
     self.ready_id = bwd_lib.RELEASE_BARRIER_ID + mcs
     self.free_id = self.ready_id + 2
 
-  def _arrive_other(self, base):
-    named_barrier("arrive", base + 1 - self.w, 2 * 128)
+  def _signal(self, mbar, base):
+    """Tell the other warpgroup (its named barrier ``base + 1 - w``, or the shared mbarrier)."""
+    if self.named:
+      named_barrier("arrive", base + 1 - self.w, 2 * 128)
+    else:
+      plgpu.barrier_arrive(mbar)
 
-  def _wait_own(self, base):
-    named_barrier("sync", base + self.w, 2 * 128)
+  def _wait(self, mbar, base):
+    """Wait for the other warpgroup (on this one's named barrier ``base + w``)."""
+    if self.named:
+      named_barrier("sync", base + self.w, 2 * 128)
+    else:
+      plgpu.barrier_wait(mbar)
 
   def signal_ready(self):
-    if self.named:
-      self._arrive_other(self.ready_id)
-    else:
-      plgpu.barrier_arrive(self.ready)
+    self._signal(self.ready, self.ready_id)
 
   def wait_ready(self):
-    if self.named:
-      self._wait_own(self.ready_id)
-    else:
-      plgpu.barrier_wait(self.ready)
+    self._wait(self.ready, self.ready_id)
 
   def signal_free(self, is_last):
     if self.named:
-      pl.when(jnp.logical_not(is_last))(lambda: self._arrive_other(self.free_id))
+      pl.when(jnp.logical_not(is_last))(lambda: self._signal(self.free, self.free_id))
     else:
-      plgpu.barrier_arrive(self.free)
+      self._signal(self.free, self.free_id)
 
   def wait_free(self):
-    if self.named:
-      self._wait_own(self.free_id)
-    else:
-      plgpu.barrier_wait(self.free)
+    self._wait(self.free, self.free_id)
 
 
 def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, causal, sm_scale,

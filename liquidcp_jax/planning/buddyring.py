@@ -568,10 +568,9 @@ def buddyring(lengths: Sequence[int], num_devices: int, *, token_tol: float = 0.
         a beam over size vectors with an iterated local search; deterministic, bounded by
         step counts, not by a clock) and wins when it finds one.  ``"megatron"``: the cap is
         the shard count of ``megatron_hybrid_cp(lengths, num_devices, cap=True)`` on the same
-        lengths.  The
-        stages run as without a cap; the tolerances still come first, so when no placement
-        within the cap is found the result may exceed it.  ``None`` (default): none of this
-        runs.
+        lengths.  The stages run as without a cap; the tolerances still come first, so when no
+        placement within the cap is found the result may exceed it.  ``None`` (default): none
+        of this runs.
     Returns:
       ``Placement`` named ``"buddyring"``, groups index-aligned with ``lengths``.  When no
       placement meets both tolerances it is the best-ranked one over all relaxation stages
