@@ -97,13 +97,18 @@ def implementations(scale, seg, bwd, variants):
     print(json.dumps({"tokamax": f"unavailable: {tk[:200]}"}))
   for name, f in kernels.dense_baselines(scale, tk).items():
     fwds[name] = (f, ())
+  bwd_only = set()
   if variants:
-    fwds["ours named_kv_release"] = (ours(api.TuningConfig(named_kv_release=True)), seg)
-    fwds["ours bwd named_barriers"] = (ours(None, bwd_lib.BwdTuningConfig(named_barriers=True)),
-                                       seg)
+    fwds["ours mbarrier kv_release"] = (ours(api.TuningConfig(named_kv_release=False)), seg)
+    for label, bcfg in (("two-kernel", bwd_lib.BwdTuningConfig(fused=False)),
+                        ("fused", bwd_lib.BwdTuningConfig(fused=True)),
+                        ("named_barriers", bwd_lib.BwdTuningConfig(named_barriers=True))):
+      fwds[f"ours bwd {label}"] = (ours(None, bcfg), seg)
+      bwd_only.add(f"ours bwd {label}")
   out = {}
   for name, (f, rest) in fwds.items():
-    out[f"{name} fwd"] = (jax.jit(f), rest, False, 1.0)
+    if name not in bwd_only:  # same forward as "ours"
+      out[f"{name} fwd"] = (jax.jit(f), rest, False, 1.0)
     if bwd:
       out[f"{name} fwd+bwd"] = (kernels._loss_grad(f), rest, True, 3.5)
   return out
@@ -115,7 +120,8 @@ def main():
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--bwd", action="store_true", help="also trace forward+backward")
   ap.add_argument("--variants", action="store_true",
-                  help="also our opt-in named_kv_release / named_barriers")
+                  help="also ours with mbarrier K/V release, and the backward as two kernels / fused / "
+                       "with named_barriers")
   ap.add_argument("--out", default="benchmarks/results/kernel_trace.json")
   a = ap.parse_args()
   import jax
