@@ -1,19 +1,22 @@
 """Device-side timing from a profiler trace: how long each implementation keeps the GPU busy per
-call, and which kernels that time goes to (ours vs cuDNN vs tokamax, dense causal).
+call, and which kernels that time goes to (ours vs cuDNN vs tokamax, dense causal; ours vs
+cuDNN's packed layout on packed batches).
 
 Wall-clock timing (``kernels.py``, ``bwd_breakdown.py``) includes dispatch and host sync and moved
 5-10 % between calls in one session (RESULTS.md). Here each implementation is traced on its own with
 ``jax.profiler.trace`` and the trace is read back with ``jax.profiler.ProfileData``: per call, the
-sum of the GPU kernel durations and, where the trace has an "XLA Modules" line, the span of the
-jitted program on the device (kernels plus the gaps between them). The kernel table shows, e.g.,
+sum of the GPU kernel durations and the device span of the call (kernels plus the launch gaps
+between them: the "XLA Modules" line where the trace has one, else the kernels' merged intervals
+with the host syncs between calls taken out, see ``call_spans_ns``). The kernel table shows, e.g.,
 what our task-table builds and LSE gather cost next to the attention kernel itself.
 
-  python3 benchmarks/kernel_trace.py [--dense 8K,32K] [--reps 10] [--bwd] [--variants]
+  python3 benchmarks/kernel_trace.py [--dense 8K,32K] [--packed pilecc,freelaw --tokens 64K]
+                                     [--reps 10] [--bwd] [--variants]
                                      [--out benchmarks/results/kernel_trace.json]
 
 Prints a table and writes JSON (including the plane and line names seen, so a trace format this
 script does not expect is visible in its output). B=1, Hq 32 / Hkv 8 / D 128, bf16, causal; FLOPs as
-DESIGN.md (fwd 4·S²·D·Hq/2, fwd+bwd 3.5×).
+DESIGN.md (fwd Σ 4·L²·D·Hq/2 over the sequences, fwd+bwd 3.5×).
 """
 import argparse
 import collections
@@ -28,7 +31,25 @@ import numpy as np
 
 sys.path.insert(0, os.getcwd())
 
-HQ, HKV, D = 32, 8, 128
+HQ, D = 32, 128  # as kernels.py, whose _inputs these cases use
+
+
+def call_spans_ns(intervals, n_calls):
+  """Device time per call including the gaps between one call's kernels: the kernels'
+  [start, end) ``intervals`` (ns, any order) are merged, and the ``n_calls - 1`` largest idle gaps
+  are taken as the host syncs between calls (each call is waited for, so those gaps hold a
+  dispatch and a sync; a call's own launch gaps are a few microseconds). Returns the summed span
+  over the calls minus those gaps, divided by ``n_calls``; 0.0 without intervals."""
+  if not intervals:
+    return 0.0
+  iv = sorted(intervals)
+  gaps, end, first = [], iv[0][1], iv[0][0]
+  for a, b in iv[1:]:
+    if a > end:
+      gaps.append(a - end)
+    end = max(end, b)
+  gaps.sort(reverse=True)
+  return (end - first - sum(gaps[:max(0, n_calls - 1)])) / n_calls
 
 
 def summarize(xplane_path, n_calls, *, plane_prefix="/device:GPU", kernel_line_prefix="Stream",
@@ -36,12 +57,13 @@ def summarize(xplane_path, n_calls, *, plane_prefix="/device:GPU", kernel_line_p
   """Reads one trace file. Returns a dict: ``kernel_ms`` (kernel durations summed over the
   planes whose name starts with ``plane_prefix`` and their lines starting with
   ``kernel_line_prefix``, per call), ``span_ms`` (the ``module_line`` events' durations per call,
-  or None without such a line), ``kernels`` [(name, calls per call, µs per call)] by time, and
-  ``planes`` {plane: [line names]} as seen."""
+  or, without such a line, :func:`call_spans_ns` of the kernels: kernels plus the launch gaps
+  inside a call; None without kernels), ``kernels`` [(name, calls per call, µs per call)] by time,
+  and ``planes`` {plane: [line names]} as seen."""
   from jax.profiler import ProfileData
   data = ProfileData.from_file(xplane_path)
   kern = collections.defaultdict(lambda: [0, 0.0])
-  span, seen = None, {}
+  span, seen, intervals = None, {}, []
   for plane in data.planes:
     seen[plane.name] = [line.name for line in plane.lines]
     if not plane.name.startswith(plane_prefix):
@@ -54,6 +76,9 @@ def summarize(xplane_path, n_calls, *, plane_prefix="/device:GPU", kernel_line_p
           k = kern[ev.name]
           k[0] += 1
           k[1] += ev.duration_ns
+          intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+  if span is None and intervals:
+    span = call_spans_ns(intervals, n_calls) * n_calls  # summed over the calls, as above
   total = sum(v[1] for v in kern.values())
   rows = sorted(((name, c / n_calls, ns / n_calls / 1e3) for name, (c, ns) in kern.items()),
                 key=lambda r: -r[2])
@@ -78,10 +103,10 @@ def trace_calls(f, args, n, **summarize_kw):
   return summarize(max(files, key=os.path.getmtime), n, **summarize_kw)
 
 
-def implementations(scale, seg, bwd, variants):
-  """{label: (jitted f, args after q, k, v)} for the dense case: forward f(q, k, v, *rest) and,
-  with ``bwd``, forward+backward f(q, k, v, do, *rest) (``kernels._loss_grad``); the baselines are
-  ``kernels.dense_baselines`` (rest = ()), ours takes the segment arrays ``seg``."""
+def implementations(scale, seg, bwd, variants, baselines):
+  """{label: (jitted f, args after q, k, v)}: forward f(q, k, v, *rest) and, with ``bwd``,
+  forward+backward f(q, k, v, do, *rest) (``kernels._loss_grad``); ``baselines`` {name: f(q, k, v)}
+  (rest = ()), ours takes the segment arrays ``seg``."""
   import jax
   import kernels
   from liquidcp_jax.pallas import api
@@ -92,10 +117,7 @@ def implementations(scale, seg, bwd, variants):
                                                      config=cfg, bwd_config=bcfg)[0]
 
   fwds = {"ours": (ours(), seg)}
-  tk = kernels.import_tokamax()
-  if isinstance(tk, str):
-    print(json.dumps({"tokamax": f"unavailable: {tk[:200]}"}))
-  for name, f in kernels.dense_baselines(scale, tk).items():
+  for name, f in baselines.items():
     fwds[name] = (f, ())
   bwd_only = set()
   if variants:
@@ -114,55 +136,87 @@ def implementations(scale, seg, bwd, variants):
   return out
 
 
+def cases(a):
+  """[(label, lengths, baselines)]: dense S (cuDNN, tokamax where it imports) and packed batches
+  (``workloads.sample_batch(dataset, tokens, 0)``, as kernels.py; cuDNN's packed layout)."""
+  import kernels
+  from liquidcp_jax import workloads
+  scale = 1.0 / np.sqrt(D)
+  out = []
+  tk = kernels.import_tokamax()
+  if isinstance(tk, str):
+    print(json.dumps({"tokamax": f"unavailable: {tk[:200]}"}))
+  for s in (workloads.parse_tokens(x) for x in a.dense.split(",") if x):
+    out.append((f"dense {s // 1024}K", np.array([s]), kernels.dense_baselines(scale, tk)))
+  for t in (workloads.parse_tokens(x) for x in a.tokens.split(",") if a.packed and x):
+    for ds in a.packed.split(","):
+      lens = workloads.sample_batch(ds, t, 0).astype(np.int64)
+      out.append((f"{ds} {t // 1024}K", lens, {"cudnn_packed": kernels.cudnn_packed(lens, scale)}))
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--dense", default="8K,32K")
+  ap.add_argument("--dense", default="8K,32K", help="dense causal lengths ('' for none)")
+  ap.add_argument("--packed", default="", help="datasets of packed batches, e.g. pilecc,freelaw")
+  ap.add_argument("--tokens", default="64K", help="token counts of the packed batches")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--bwd", action="store_true", help="also trace forward+backward")
   ap.add_argument("--variants", action="store_true",
-                  help="also ours with mbarrier K/V release, and the backward as two kernels / fused / "
-                       "with named_barriers")
+                  help="also ours with mbarrier K/V release, and the backward as two kernels / "
+                       "fused / with named_barriers")
   ap.add_argument("--out", default="benchmarks/results/kernel_trace.json")
   a = ap.parse_args()
   import jax
-  import jax.numpy as jnp
-  from liquidcp_jax import workloads
+  import kernels
   rows = []
-  for s in (workloads.parse_tokens(x) for x in a.dense.split(",")):
-    ks = jax.random.split(jax.random.key(s), 4)
-    r = lambda k, sh: jax.random.normal(k, sh, jnp.bfloat16)
-    q, k, v, do = (r(ks[0], (s, HQ, D)), r(ks[1], (s, HKV, D)), r(ks[2], (s, HKV, D)),
-                   r(ks[3], (s, HQ, D)))
-    seg = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, s, jnp.int32),
-           jnp.int32(1))
-    flops = 4 * D * HQ * s * s / 2
-    impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, a.variants)
+  for label, lens, baselines in cases(a):
+    t = int(lens.sum())
+    cap = 1 << int(np.ceil(np.log2(len(lens))))
+    seg = kernels.seg_arrays(lens, cap)
+    q, k, v, do = kernels._inputs(t, t) if len(lens) == 1 else kernels._inputs(t + len(lens), t)
+    flops = float(sum(4 * D * HQ * int(n) ** 2 / 2 for n in lens))
+    impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, a.variants, baselines)
     for name, (f, rest, with_do, mult) in impls.items():
       try:
         res = trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps)
       except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
-        rows.append({"S": s, "impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        rows.append({"case": label, "impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print(json.dumps(rows[-1]), flush=True)
         continue
-      t = res["span_ms"] or res["kernel_ms"]
-      rows.append({"S": s, "impl": name, "span_ms": res["span_ms"],
+      tf = lambda ms: round(mult * flops / ms / 1e9, 1) if ms else None
+      rows.append({"case": label, "T": t, "num_seqs": len(lens), "impl": name,
+                   "span_ms": None if res["span_ms"] is None else round(res["span_ms"], 4),
                    "kernel_ms": round(res["kernel_ms"], 4),
-                   "tflops_device": round(mult * flops / t / 1e9, 1) if t else None,
+                   "tflops_span": tf(res["span_ms"]), "tflops_kernels": tf(res["kernel_ms"]),
                    "top_kernels": res["kernels"][:8], "planes": res["planes"]})
       print(json.dumps({k: v for k, v in rows[-1].items() if k != "planes"}), flush=True)
-  print(f"\n{'S':>6s} {'impl':34s} {'span ms':>9s} {'kernel ms':>10s} {'TFLOP/s':>8s}  top kernel")
-  for r in rows:
-    if "error" in r:
-      print(f"{r['S']:6d} {r['impl'][:34]:34s} error: {r['error'][:60]}")
-      continue
-    top = r["top_kernels"][0] if r["top_kernels"] else ("-", 0, 0)
-    span = f"{r['span_ms']:.3f}" if r["span_ms"] is not None else "-"
-    print(f"{r['S']:6d} {r['impl'][:34]:34s} {span:>9s} {r['kernel_ms']:10.3f} "
-          f"{(r['tflops_device'] or float('nan')):8.1f}  {top[0][:40]} ({top[2]:.0f} us)")
+  print_table(rows)
   meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
           "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "reps": a.reps}
   with open(a.out, "w") as fh:
     json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+
+
+def print_table(rows):
+  """One line per (case, impl): device span and kernel time per call, TFLOP/s from each, and
+  the ratio to the case's cuDNN row of the same pass (fwd / fwd+bwd) by span."""
+  print(f"\n{'case':13s} {'impl':34s} {'span ms':>9s} {'kern ms':>9s} {'TF span':>8s} "
+        f"{'TF kern':>8s} {'/cuDNN':>7s}  top kernel")
+  ref = {(r["case"], r["impl"].rsplit(" ", 1)[1]): r for r in rows
+         if "error" not in r and r["impl"].split(" ")[0] in ("cudnn", "cudnn_packed")}
+  for r in rows:
+    if "error" in r:
+      print(f"{r['case'][:13]:13s} {r['impl'][:34]:34s} error: {r['error'][:60]}")
+      continue
+    top = r["top_kernels"][0] if r["top_kernels"] else ("-", 0, 0)
+    base = ref.get((r["case"], r["impl"].rsplit(" ", 1)[1]))
+    ratio = (r["tflops_span"] / base["tflops_span"]
+             if base and r["tflops_span"] and base["tflops_span"] else float("nan"))
+    span = f"{r['span_ms']:.3f}" if r["span_ms"] is not None else "-"
+    print(f"{r['case'][:13]:13s} {r['impl'][:34]:34s} {span:>9s} {r['kernel_ms']:9.3f} "
+          f"{(r['tflops_span'] or float('nan')):8.1f} {(r['tflops_kernels'] or float('nan')):8.1f} "
+          f"{ratio:7.3f}  {top[0][:32]} ({top[2]:.0f} us)")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def test_trace_reader_sums_per_call():
     res[n] = kernel_trace.trace_calls(f, (x,), n, plane_prefix="/host:CPU",
                                       kernel_line_prefix="tf_XLA", module_line="-")
     assert "/host:CPU" in res[n]["planes"]
-    assert res[n]["span_ms"] is None  # no module line asked for
+    # No module line asked for: the span comes from the merged kernel intervals.
+    assert res[n]["span_ms"] is not None and res[n]["span_ms"] > 0
     assert res[n]["kernel_ms"] > 0
     names = [k[0] for k in res[n]["kernels"]]
     assert names and len(names) == len(set(names))
@@ -36,3 +37,30 @@ def test_trace_reader_missing_planes_give_zero_not_nan(tmp_path):
   f = jax.jit(lambda x: x + 1)
   res = kernel_trace.trace_calls(f, (jnp.ones(8),), 2, plane_prefix="/device:GPU")
   assert res["kernel_ms"] == 0.0 and res["kernels"] == [] and res["span_ms"] is None
+
+
+def test_call_spans_take_out_the_host_syncs():
+  # Two calls: kernels [0, 10) [12, 20) and [100, 110) [111, 120); the 80 ns gap is the sync.
+  iv = [(111, 120), (0, 10), (100, 110), (12, 20)]
+  assert kernel_trace.call_spans_ns(iv, 2) == (120 - 80) / 2
+  assert kernel_trace.call_spans_ns(iv, 1) == 120  # one call: every gap is its own
+  # Overlapping kernels (two streams) are merged, not double-counted.
+  assert kernel_trace.call_spans_ns([(0, 10), (5, 15), (40, 50)], 2) == (50 - 25) / 2
+  assert kernel_trace.call_spans_ns([], 3) == 0.0
+
+
+def test_print_table_ratios_to_the_cases_cudnn_row(capsys):
+  row = lambda case, impl, tf: {"case": case, "impl": impl, "span_ms": 1.0, "kernel_ms": 0.9,
+                                "tflops_span": tf, "tflops_kernels": tf, "top_kernels": []}
+  kernel_trace.print_table([
+      row("dense 8K", "ours fwd", 500.0), row("dense 8K", "cudnn fwd", 400.0),
+      row("dense 8K", "ours fwd+bwd", 450.0), row("dense 8K", "cudnn fwd+bwd", 500.0),
+      row("pilecc 64K", "ours fwd", 300.0), row("pilecc 64K", "cudnn_packed fwd", 600.0),
+      {"case": "pilecc 64K", "impl": "cudnn_packed fwd+bwd", "error": "XlaRuntimeError: OOM"}])
+  out = capsys.readouterr().out.splitlines()
+  line = lambda case, impl: next(l for l in out if l.startswith(case) and f" {impl} " in l)
+  assert line("dense 8K", "ours fwd").split()[-4] == "1.250"
+  assert line("dense 8K", "ours fwd+bwd").split()[-4] == "0.900"
+  assert line("pilecc 64K", "ours fwd").split()[-4] == "0.500"
+  assert line("dense 8K", "cudnn fwd").split()[-4] == "1.000"
+  assert "error: XlaRuntimeError: OOM" in out[-1]
