@@ -123,7 +123,7 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   cum = xp.cumsum(n_qt).astype(i32)
   cap = task_capacity(tq, s_cap, block_q)
   t = xp.arange(cap, dtype=i32)
-  e = xp.searchsorted(cum, t, side="right").astype(i32)
+  e = _searchsorted_right(xp, cum, t)
   used = e < e_qs.shape[0]
   e = xp.minimum(e, e_qs.shape[0] - 1)
   tile = t - (cum[e] - n_qt[e])
@@ -170,12 +170,22 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   table = xp.stack([col.astype(i32) for col in cols], axis=1)[launch]
   # Row -> (launch index, tile row): tasks are in row order before the launch permutation.
   rows = xp.arange(tq, dtype=i32)
-  ti = (xp.searchsorted(row0, rows, side="right") - 1).astype(i32)
+  ti = _searchsorted_right(xp, row0, rows) - 1
   ti = xp.clip(ti, 0, cap - 1)
   row_off = (q_lo[ti] + rows - row0[ti]).astype(i32)
   row_task = inv[ti]
   return TaskTable(table=table, row_task=row_task, row_off=row_off, block_q=block_q,
                    block_kv=block_kv, causal=causal, capacity=cap, reverse=reverse)
+
+
+def _searchsorted_right(xp, a, v):
+  """int32 ``searchsorted(a, v, side="right")``. With jax.numpy, unrolled: the default "scan"
+  method is a while loop, and on the GPU every iteration of an XLA while loop copies its predicate
+  to the host and waits; the H200 trace (RESULTS.md, fifth session, run r) showed ~1 ms of such
+  gaps per packed 64K fwd+bwd call, more than all the table-building kernels took."""
+  if xp is np:
+    return np.searchsorted(a, v, side="right").astype(np.int32)
+  return xp.searchsorted(a, v, side="right", method="scan_unrolled").astype(xp.int32)
 
 
 def _np_set(a, idx, v):
