@@ -86,12 +86,17 @@ class BwdTuningConfig:
   ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module).
   ``fused=None`` (default) picks it by :meth:`use_fused`: on the H200 "pair" won on dense causal
   32K (477 vs 452 TFLOP/s) but lost on dense 8K (400 vs 419) and on every packed 64K batch
-  (Pile-CC 290 vs 362, FreeLaw 355 vs 394, ArXiv 417 vs 423; RESULTS.md, fourth session).
+  (Pile-CC 290 vs 362, FreeLaw 355 vs 394, ArXiv 417 vs 423; RESULTS.md, fourth session). The
+  fifth session's device-side trace (run q) agrees at 32K (fwd+bwd 522 vs 506 TFLOP/s); a
+  round-robin wall-clock run (p) did not (450 vs 481): the 32K choice is within run-to-run spread.
 
   ``named_barriers=True``: the compute warpgroups hand SMEM ring slots back to the producer on
   hardware named barriers (:class:`sync.RingRelease`), and the fused kernel's two
-  per-step warpgroup hand-overs (dS^T ready / dS^T free) use named barriers too. Opt-in until
-  measured on the H200; GPU only (interpret mode keeps the mbarriers)."""
+  per-step warpgroup hand-overs (dS^T ready / dS^T free) use named barriers too. Opt-in: on the
+  H200 (RESULTS.md, fifth session, runs p and q) it sped up the two-kernel backward at dense 8K
+  (387 vs 380 TFLOP/s wall-clock, 526 vs 514 device-side fwd+bwd) but slowed it at 32K (465 vs
+  481) and slowed the fused kernel (351 vs 393 at 8K, 409 vs 450 at 32K). GPU only (interpret
+  mode keeps the mbarriers)."""
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2

@@ -19,8 +19,9 @@ The accumulator is a ``jax.Ref`` (zeros) passed in; the wrapper scales it by ``s
 GPU only; on CPU its lowering is checked (SMEM budget, layouts). Measured on the H200 (RESULTS.md,
 2026-12-03 fourth session) it is correct and faster than the two-kernel backward on dense causal
 32K (477 vs 452 TFLOP/s) but slower on dense 8K and on packed 64K batches, so the default
-``BwdTuningConfig(fused=None)`` runs it only from 32K tokens per segment slot; ``fused=True``
-forces it.
+``BwdTuningConfig(fused=None)`` runs it only from 32K tokens per segment slot (the fifth
+session's device-side trace agreed at 32K, a wall-clock round-robin did not: see BwdTuningConfig);
+``fused=True`` forces it.
 Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
 are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
 take the masked path for every tile.
