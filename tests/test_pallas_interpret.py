@@ -33,8 +33,8 @@ def _lower_forward_for_gpu(cfg):
 @pytest.mark.parametrize("fused", [False, True])
 def test_varlen_fwd_bwd_gpu_lowering_has_no_while_loops(fused):
   """The whole jitted forward+backward, lowered for CUDA, has no XLA while loop outside the
-  kernels: on the GPU each while iteration copies its predicate to the host and waits (the task
-  tables' searchsorted was one; the H200 trace showed ~1 ms of such gaps per packed 64K call)."""
+  kernels: the GPU runs a while loop one iteration at a time (the task tables' searchsorted was
+  one; the H200 trace showed ~1 ms of idle gaps around it per packed 64K fwd+bwd call)."""
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   sd = jax.ShapeDtypeStruct

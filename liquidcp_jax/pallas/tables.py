@@ -180,9 +180,10 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
 
 def _searchsorted_right(xp, a, v):
   """int32 ``searchsorted(a, v, side="right")``. With jax.numpy, unrolled: the default "scan"
-  method is a while loop, and on the GPU every iteration of an XLA while loop copies its predicate
-  to the host and waits; the H200 trace (RESULTS.md, fifth session, run r) showed ~1 ms of such
-  gaps per packed 64K fwd+bwd call, more than all the table-building kernels took."""
+  method is an XLA while loop, which the GPU runs one iteration at a time, each with its own
+  launches and carry copies; the H200 trace (RESULTS.md, fifth session, run r) showed ~1 ms of
+  idle gaps per packed 64K fwd+bwd call around those iterations, more than all the table-building
+  kernels took, and none once the loop was gone (run s)."""
   if xp is np:
     return np.searchsorted(a, v, side="right").astype(np.int32)
   return xp.searchsorted(a, v, side="right", method="scan_unrolled").astype(xp.int32)
