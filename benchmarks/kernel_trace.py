@@ -39,7 +39,11 @@ def call_spans_ns(intervals, n_calls):
   [start, end) ``intervals`` (ns, any order) are merged, and the ``n_calls - 1`` largest idle gaps
   are taken as the host syncs between calls (each call is waited for, so those gaps hold a
   dispatch and a sync; a call's own launch gaps are a few microseconds). Returns the summed span
-  over the calls minus those gaps, divided by ``n_calls``; 0.0 without intervals."""
+  over the calls minus those gaps, divided by ``n_calls``; 0.0 without intervals. If a gap inside
+  a call is longer than one between calls, that gap is dropped instead and the span comes out too
+  low: compare it with ``kernel_ms``, its lower bound on one stream."""
+  if n_calls < 1:
+    raise ValueError(f"n_calls must be >= 1, got {n_calls}")
   if not intervals:
     return 0.0
   iv = sorted(intervals)

@@ -47,6 +47,10 @@ def test_call_spans_take_out_the_host_syncs():
   # Overlapping kernels (two streams) are merged, not double-counted.
   assert kernel_trace.call_spans_ns([(0, 10), (5, 15), (40, 50)], 2) == (50 - 25) / 2
   assert kernel_trace.call_spans_ns([], 3) == 0.0
+  # The documented limit: a call's own 50 ns gap outlasts the 30 ns sync, so the sync is kept.
+  assert kernel_trace.call_spans_ns([(0, 50), (100, 150), (180, 230), (280, 330)], 2) == 140
+  with pytest.raises(ValueError, match="n_calls"):
+    kernel_trace.call_spans_ns([(0, 1)], 0)
 
 
 def test_print_table_ratios_to_the_cases_cudnn_row(capsys):

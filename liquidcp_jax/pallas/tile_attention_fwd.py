@@ -47,7 +47,9 @@ class TuningConfig:
   with ``bar.arrive`` on hardware named barriers (one instruction per warp) instead of an SMEM
   mbarrier arrive from every thread (see :class:`RingRelease`). On by default: on the H200
   (RESULTS.md, 2026-12-03 fifth session, run p, round-robin) it ran 467.2 vs 460.0 TFLOP/s
-  (persistent) and 450.3 vs 441.3 (plain) at dense 8K, 569.6 vs 564.2 and 568.8 vs 559.5 at 32K.
+  (persistent) and 450.3 vs 441.3 (plain) at dense 8K, 569.6 vs 564.2 and 568.8 vs 559.5 at 32K;
+  by device-side kernel time (run q) the mbarrier release was as fast or slightly faster (8K 636.4
+  vs 634.6, 32K 671.6 vs 662.1), so the gain is within the spread of the two methods.
   GPU only (interpret mode keeps the mbarriers).
   """
   block_q: int = 64
