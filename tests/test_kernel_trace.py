@@ -28,9 +28,11 @@ def test_trace_reader_sums_per_call():
     assert us == sorted(us, reverse=True)  # by time per call
     # The table rounds each kernel's time to 0.01 us.
     assert sum(us) / 1e3 == pytest.approx(res[n]["kernel_ms"], abs=len(us) * 0.005e-3 + 1e-9)
-  # Per-call normalisation: three times the calls, about the same time per call (loose: a
-  # shared 2-core machine), not three times as much.
-  assert res[6]["kernel_ms"] < 2.0 * res[2]["kernel_ms"] + 1.0
+  # Per-call normalisation, without timing (a loaded 2-core CI machine made a time bound flaky):
+  # the program's own ops run once per call, so they count 1.0 per call at both call counts
+  # (undivided they would count 2.0 and 6.0; thread-pool events vary, so only an overlap is asked).
+  once = lambda n: {k[0] for k in res[n]["kernels"] if k[1] == 1.0}
+  assert once(2) & once(6)
 
 
 def test_trace_reader_missing_planes_give_zero_not_nan(tmp_path):
