@@ -30,7 +30,7 @@ from liquidcp_jax.pallas import tile_attention_bwd as bwd  # noqa: E402
 from liquidcp_jax.pallas import tile_attention_fwd as fwd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import median_time, round_robin  # noqa: E402
+from kernels import causal_fwd_flops, median_time, round_robin  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -107,7 +107,7 @@ def main():
   q, k, v, do = r(ks[0], (s, HQ, D)), r(ks[1], (s, HKV, D)), r(ks[2], (s, HKV, D)), r(ks[3], (s, HQ, D))
   seg = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, s, jnp.int32), jnp.int32(1))
   scale = 1.0 / np.sqrt(D)
-  flops = 4 * D * HQ * s * s / 2
+  flops = causal_fwd_flops([s])
   rows = []
 
   def emit(name, ms, fl=None):

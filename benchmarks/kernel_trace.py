@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.getcwd())
 
-HQ, D = 32, 128  # as kernels.py, whose _inputs these cases use
+D = 128  # as kernels.py, whose _inputs these cases use
 
 
 def call_spans_ns(intervals, n_calls):
@@ -176,10 +176,10 @@ def main():
   rows = []
   for label, lens, baselines in cases(a):
     t = int(lens.sum())
-    cap = 1 << int(np.ceil(np.log2(len(lens))))
-    seg = kernels.seg_arrays(lens, cap)
-    q, k, v, do = kernels._inputs(t, t) if len(lens) == 1 else kernels._inputs(t + len(lens), t)
-    flops = float(sum(4 * D * HQ * int(n) ** 2 / 2 for n in lens))
+    seg = kernels.seg_arrays(lens, kernels.seg_capacity(len(lens)))
+    # The seeds kernels.py's dense and packed cases use, so the inputs are the same.
+    q, k, v, do = kernels._inputs(t if len(lens) == 1 else t + len(lens), t)
+    flops = kernels.causal_fwd_flops(lens)
     impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, a.variants, baselines)
     for name, (f, rest, with_do, mult) in impls.items():
       try:

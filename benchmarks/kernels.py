@@ -302,6 +302,18 @@ def xla_packed(lens, scale):
 
 
 # ---------------------------------------------------------------------------------------- cases
+def causal_fwd_flops(lens):
+  """Effective forward FLOPs of causal attention over sequences of ``lens`` (DESIGN.md):
+  sum of 4 * D * Hq * L^2 / 2; fwd+bwd counts 3.5x, the backward alone 2.5x."""
+  return float(sum(4 * D * HQ * int(l) ** 2 / 2 for l in lens))
+
+
+def seg_capacity(num_seqs):
+  """Segment-array capacity for ``num_seqs`` sequences: the next power of two (one compiled
+  executable serves every batch with at most that many)."""
+  return 1 << int(np.ceil(np.log2(num_seqs)))
+
+
 def seg_arrays(lens, cap):
   starts = np.cumsum(np.r_[0, lens[:-1]])
   pad = lambda a: jnp.asarray(np.r_[a, np.zeros(cap - len(a))].astype(np.int32))
@@ -310,7 +322,7 @@ def seg_arrays(lens, cap):
 
 def bench_dense(b, s, tokamax, n):
   scale = 1.0 / np.sqrt(D)
-  flops = 4 * s * s * D * HQ / 2
+  flops = causal_fwd_flops([s])
   res = {"section": "dense", "case": f"dense causal S={s}", "S": s, "fwd_flops": flops}
   q, k, v, do = _inputs(s, s)
   seg = seg_arrays(np.array([s]), 1)
@@ -349,7 +361,7 @@ def bench_dense(b, s, tokamax, n):
 def bench_packed(b, label, lens, cap, n):
   scale = 1.0 / np.sqrt(D)
   t = int(lens.sum())
-  flops = float(sum(4 * D * HQ * int(l) ** 2 / 2 for l in lens))
+  flops = causal_fwd_flops(lens)
   res = {"section": "packed", "case": f"packed {label} {t // 1024}K", "T": t,
          "num_seqs": int(len(lens)), "max_len": int(lens.max()),
          "mean_len": round(float(lens.mean()), 1), "fwd_flops": flops}
@@ -406,7 +418,7 @@ def variant_configs():
 def bench_variants(b, label, lens, cap, n):
   scale = 1.0 / np.sqrt(D)
   t = int(lens.sum())
-  flops = float(sum(4 * D * HQ * int(l) ** 2 / 2 for l in lens))
+  flops = causal_fwd_flops(lens)
   res = {"section": "variants", "case": f"variants {label}", "T": t, "num_seqs": int(len(lens)),
          "fwd_flops": flops}
   q, k, v, do = _inputs(7 * t + len(lens), t)
@@ -463,7 +475,7 @@ def plan(a):
   for sec, _, lens in cases:
     if sec != "dense":
       t = int(lens.sum())
-      caps[t] = max(caps.get(t, 1), 1 << int(np.ceil(np.log2(len(lens)))))
+      caps[t] = max(caps.get(t, 1), seg_capacity(len(lens)))
   return cases, caps
 
 
@@ -538,7 +550,7 @@ def main():
   if a.dry_run:
     print(f"{len(cases)} cases, segment capacities {caps}, reps {n}")
     for sec, label, lens in cases:
-      fl = sum(4 * D * HQ * int(l) ** 2 / 2 for l in lens)
+      fl = causal_fwd_flops(lens)
       x = "" if sec == "dense" else (f" xla~{xla_mem_gib(lens, False):.1f}/"
                                      f"{xla_mem_gib(lens, True):.1f} GiB")
       print(f"  {sec:8s} {label:28s} T={int(lens.sum()):7d} seqs={len(lens):4d} "
