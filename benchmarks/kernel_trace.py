@@ -11,7 +11,7 @@ with the host syncs between calls taken out, see ``call_spans_ns``). The kernel 
 what our task-table builds and LSE gather cost next to the attention kernel itself.
 
   python3 benchmarks/kernel_trace.py [--dense 8K,32K] [--packed pilecc,freelaw --tokens 64K]
-                                     [--reps 10] [--bwd] [--variants]
+                                     [--reps 10] [--bwd] [--variants [NAMES]] [--rounds 1]
                                      [--out benchmarks/results/kernel_trace.json]
 
 Prints a table and writes JSON (including the plane and line names seen, so a trace format this
@@ -107,10 +107,38 @@ def trace_calls(f, args, n, **summarize_kw):
   return summarize(max(files, key=os.path.getmtime), n, **summarize_kw)
 
 
+# Named configurations of ours that ``--variants`` can trace: name -> (pass, config fields). "fwd"
+# variants change the forward (traced alone and, with --bwd, with the default backward); "bwd"
+# variants change only the backward (traced as fwd+bwd).
+VARIANTS = {
+    "mbarrier_release": ("fwd", {"named_kv_release": False}),
+    "two_kernel": ("bwd", {"fused": False}),
+    "fused": ("bwd", {"fused": True}),
+    "named_barriers": ("bwd", {"named_barriers": True}),
+    "mcs3": ("bwd", {"max_concurrent_steps": 3}),
+    "mcs4": ("bwd", {"max_concurrent_steps": 4}),
+    "mcs3_named": ("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
+    "dq128": ("bwd", {"block_kv_dq": 128}),
+}
+DEFAULT_VARIANTS = "mbarrier_release,two_kernel,fused,named_barriers"
+
+
+def parse_variants(spec):
+  """Comma list of :data:`VARIANTS` names ('' for none) -> list of names; ValueError naming the
+  unknown one and the known ones."""
+  names = [x.strip() for x in (spec or "").split(",") if x.strip()]
+  for n in names:
+    if n not in VARIANTS:
+      raise ValueError(f"--variants: unknown variant {n!r}; expected a comma list of "
+                       f"{sorted(VARIANTS)}")
+  return names
+
+
 def implementations(scale, seg, bwd, variants, baselines):
-  """{label: (jitted f, args after q, k, v)}: forward f(q, k, v, *rest) and, with ``bwd``,
-  forward+backward f(q, k, v, do, *rest) (``kernels._loss_grad``); ``baselines`` {name: f(q, k, v)}
-  (rest = ()), ours takes the segment arrays ``seg``."""
+  """{label: (jitted f, args after q, k, v, takes do, FLOP multiplier)}: forward f(q, k, v,
+  *rest) and, with ``bwd``, forward+backward f(q, k, v, do, *rest) (``kernels._loss_grad``);
+  ``variants``: names of :data:`VARIANTS`; ``baselines`` {name: f(q, k, v)} (rest = ()), ours
+  takes the segment arrays ``seg``."""
   import jax
   import kernels
   from liquidcp_jax.pallas import api
@@ -124,13 +152,13 @@ def implementations(scale, seg, bwd, variants, baselines):
   for name, f in baselines.items():
     fwds[name] = (f, ())
   bwd_only = set()
-  if variants:
-    fwds["ours mbarrier kv_release"] = (ours(api.TuningConfig(named_kv_release=False)), seg)
-    for label, bcfg in (("two-kernel", bwd_lib.BwdTuningConfig(fused=False)),
-                        ("fused", bwd_lib.BwdTuningConfig(fused=True)),
-                        ("named_barriers", bwd_lib.BwdTuningConfig(named_barriers=True))):
-      fwds[f"ours bwd {label}"] = (ours(None, bcfg), seg)
-      bwd_only.add(f"ours bwd {label}")
+  for name in variants:
+    kind, fields = VARIANTS[name]
+    if kind == "fwd":
+      fwds[f"ours {name}"] = (ours(api.TuningConfig(**fields)), seg)
+    else:
+      fwds[f"ours bwd {name}"] = (ours(None, bwd_lib.BwdTuningConfig(**fields)), seg)
+      bwd_only.add(f"ours bwd {name}")
   out = {}
   for name, (f, rest) in fwds.items():
     if name not in bwd_only:  # same forward as "ours"
@@ -138,6 +166,20 @@ def implementations(scale, seg, bwd, variants, baselines):
     if bwd:
       out[f"{name} fwd+bwd"] = (kernels._loss_grad(f), rest, True, 3.5)
   return out
+
+
+def median_rounds(results):
+  """Per-round ``summarize`` dicts of one implementation -> one dict: the median span and kernel
+  time over the rounds (the kernel table of the median-span round), and every round's span and
+  kernel time as ``span_ms_rounds`` / ``kernel_ms_rounds``."""
+  spans = [r["span_ms"] for r in results]
+  kerns = [r["kernel_ms"] for r in results]
+  ok = [s for s in spans if s is not None]
+  order = sorted(range(len(results)), key=lambda i: (spans[i] is None, spans[i] or 0.0))
+  mid = results[order[(len(ok) - 1) // 2 if ok else 0]]
+  return {**mid, "span_ms": float(np.median(ok)) if ok else None,
+          "kernel_ms": float(np.median(kerns)), "span_ms_rounds": spans,
+          "kernel_ms_rounds": kerns}
 
 
 def cases(a):
@@ -166,11 +208,21 @@ def main():
   ap.add_argument("--tokens", default="64K", help="token counts of the packed batches")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--bwd", action="store_true", help="also trace forward+backward")
-  ap.add_argument("--variants", action="store_true",
-                  help="also ours with mbarrier K/V release, and the backward as two kernels / "
-                       "fused / with named_barriers")
+  ap.add_argument("--variants", nargs="?", const=DEFAULT_VARIANTS, default="",
+                  help="comma list of named configs of ours to trace too (" + ", ".join(VARIANTS)
+                       + "); bare --variants: " + DEFAULT_VARIANTS)
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="trace every implementation of a case this many times, round-robin, and "
+                       "report the median (drift between implementations traced minutes apart "
+                       "moved identical configs by up to 2.4 %% in run t)")
   ap.add_argument("--out", default="benchmarks/results/kernel_trace.json")
   a = ap.parse_args()
+  if a.rounds < 1:
+    ap.error(f"--rounds must be >= 1, got {a.rounds}")
+  try:
+    variants = parse_variants(a.variants)
+  except ValueError as e:
+    ap.error(str(e))
   import jax
   import kernels
   rows = []
@@ -180,33 +232,50 @@ def main():
     # The seeds kernels.py's dense and packed cases use, so the inputs are the same.
     q, k, v, do = kernels._inputs(t if len(lens) == 1 else t + len(lens), t)
     flops = kernels.causal_fwd_flops(lens)
-    impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, a.variants, baselines)
+    impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, variants, baselines)
+    per_round, errors = {name: [] for name in impls}, {}
+    for rnd in range(a.rounds):
+      for name, (f, rest, with_do, mult) in impls.items():
+        if name in errors:
+          continue
+        try:
+          per_round[name].append(
+              trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps))
+        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+          errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+          rows.append({"case": label, "impl": name, "error": errors[name]})
+          print(json.dumps(rows[-1]), flush=True)
+          continue
+        r = per_round[name][-1]
+        print(json.dumps({"case": label, "impl": name, "round": rnd, "span_ms": r["span_ms"],
+                          "kernel_ms": r["kernel_ms"]}), flush=True)
     for name, (f, rest, with_do, mult) in impls.items():
-      try:
-        res = trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps)
-      except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
-        rows.append({"case": label, "impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        print(json.dumps(rows[-1]), flush=True)
+      if name in errors:
         continue
+      res = median_rounds(per_round[name])
       tf = lambda ms: round(mult * flops / ms / 1e9, 1) if ms else None
       rows.append({"case": label, "T": t, "num_seqs": len(lens), "impl": name,
                    "span_ms": None if res["span_ms"] is None else round(res["span_ms"], 4),
                    "kernel_ms": round(res["kernel_ms"], 4),
                    "tflops_span": tf(res["span_ms"]), "tflops_kernels": tf(res["kernel_ms"]),
+                   "span_ms_rounds": res["span_ms_rounds"],
+                   "kernel_ms_rounds": res["kernel_ms_rounds"],
                    "top_kernels": res["kernels"][:8], "planes": res["planes"]})
       print(json.dumps({k: v for k, v in rows[-1].items() if k != "planes"}), flush=True)
   print_table(rows)
   meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-          "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "reps": a.reps}
+          "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "reps": a.reps,
+          "rounds": a.rounds}
   with open(a.out, "w") as fh:
     json.dump({"meta": meta, "rows": rows}, fh, indent=1)
 
 
 def print_table(rows):
-  """One line per (case, impl): device span and kernel time per call, TFLOP/s from each, and
-  the ratio to the case's cuDNN row of the same pass (fwd / fwd+bwd) by span."""
+  """One line per (case, impl): device span and kernel time per call, TFLOP/s from each, the
+  ratio to the case's cuDNN row of the same pass (fwd / fwd+bwd) by span, and with several rounds
+  the spread of the span over them ((max - min) / median)."""
   print(f"\n{'case':13s} {'impl':34s} {'span ms':>9s} {'kern ms':>9s} {'TF span':>8s} "
-        f"{'TF kern':>8s} {'/cuDNN':>7s}  top kernel")
+        f"{'TF kern':>8s} {'/cuDNN':>7s} {'spread':>6s}  top kernel")
   ref = {(r["case"], r["impl"].rsplit(" ", 1)[1]): r for r in rows
          if "error" not in r and r["impl"].split(" ")[0] in ("cudnn", "cudnn_packed")}
   for r in rows:
@@ -218,9 +287,11 @@ def print_table(rows):
     ratio = (r["tflops_span"] / base["tflops_span"]
              if base and r["tflops_span"] and base["tflops_span"] else float("nan"))
     span = f"{r['span_ms']:.3f}" if r["span_ms"] is not None else "-"
+    rs = [x for x in r.get("span_ms_rounds") or () if x is not None]
+    spread = (f"{100 * (max(rs) - min(rs)) / np.median(rs):5.1f}%" if len(rs) > 1 else "    -")
     print(f"{r['case'][:13]:13s} {r['impl'][:34]:34s} {span:>9s} {r['kernel_ms']:9.3f} "
           f"{(r['tflops_span'] or float('nan')):8.1f} {(r['tflops_kernels'] or float('nan')):8.1f} "
-          f"{ratio:7.3f}  {top[0][:32]} ({top[2]:.0f} us)")
+          f"{ratio:7.3f} {spread}  {top[0][:32]} ({top[2]:.0f} us)")
 
 
 if __name__ == "__main__":

@@ -65,8 +65,49 @@ def test_print_table_ratios_to_the_cases_cudnn_row(capsys):
       {"case": "pilecc 64K", "impl": "cudnn_packed fwd+bwd", "error": "XlaRuntimeError: OOM"}])
   out = capsys.readouterr().out.splitlines()
   line = lambda case, impl: next(l for l in out if l.startswith(case) and f" {impl} " in l)
-  assert line("dense 8K", "ours fwd").split()[-4] == "1.250"
-  assert line("dense 8K", "ours fwd+bwd").split()[-4] == "0.900"
-  assert line("pilecc 64K", "ours fwd").split()[-4] == "0.500"
-  assert line("dense 8K", "cudnn fwd").split()[-4] == "1.000"
+  assert line("dense 8K", "ours fwd").split()[-5] == "1.250"
+  assert line("dense 8K", "ours fwd+bwd").split()[-5] == "0.900"
+  assert line("pilecc 64K", "ours fwd").split()[-5] == "0.500"
+  assert line("dense 8K", "cudnn fwd").split()[-5] == "1.000"
   assert "error: XlaRuntimeError: OOM" in out[-1]
+
+
+def test_print_table_spread_over_rounds(capsys):
+  row = {"case": "dense 8K", "impl": "ours fwd", "span_ms": 2.0, "kernel_ms": 1.9,
+         "tflops_span": 1.0, "tflops_kernels": 1.0, "top_kernels": [],
+         "span_ms_rounds": [2.0, 1.9, 2.1]}
+  kernel_trace.print_table([row])
+  line = capsys.readouterr().out.splitlines()[-1]
+  assert "10.0%" in line.split()  # (2.1 - 1.9) / 2.0
+
+
+def test_median_rounds_picks_the_median_round():
+  rounds = [{"span_ms": s, "kernel_ms": s - 0.1, "kernels": [(f"k{s}", 1.0, s)], "planes": {}}
+            for s in (3.0, 1.0, 2.0)]
+  m = kernel_trace.median_rounds(rounds)
+  assert m["span_ms"] == 2.0 and m["kernel_ms"] == pytest.approx(1.9)
+  assert m["kernels"] == [("k2.0", 1.0, 2.0)]  # the table of the median-span round
+  assert m["span_ms_rounds"] == [3.0, 1.0, 2.0]
+  # No span in any round (no kernels traced): None, not NaN.
+  none = kernel_trace.median_rounds([{"span_ms": None, "kernel_ms": 0.0, "kernels": [],
+                                      "planes": {}}] * 2)
+  assert none["span_ms"] is None and none["kernel_ms"] == 0.0
+
+
+def test_parse_variants_names_the_unknown_one():
+  assert kernel_trace.parse_variants("") == []
+  assert kernel_trace.parse_variants(" mcs3, named_barriers ") == ["mcs3", "named_barriers"]
+  assert kernel_trace.parse_variants(kernel_trace.DEFAULT_VARIANTS)
+  with pytest.raises(ValueError, match="'mcs9'.*expected a comma list"):
+    kernel_trace.parse_variants("mcs3,mcs9")
+
+
+def test_every_variant_is_a_valid_config():
+  from liquidcp_jax.pallas import api
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+  for name, (kind, fields) in kernel_trace.VARIANTS.items():
+    assert kind in ("fwd", "bwd"), name
+    cfg = (api.TuningConfig if kind == "fwd" else bwd_lib.BwdTuningConfig)(**fields)
+    if kind == "bwd" and not cfg.fused:
+      for k in ("dq", "dkv"):  # fits the H200's SMEM at head_dim 128
+        assert bwd_lib.smem_bytes(k, cfg, 128) <= bwd_lib._SMEM_LIMIT, (name, k)
