@@ -111,16 +111,18 @@ def trace_calls(f, args, n, **summarize_kw):
 # variants change the forward (traced alone and, with --bwd, with the default backward); "bwd"
 # variants change only the backward (traced as fwd+bwd).
 VARIANTS = {
-    "mbarrier_release": ("fwd", {"named_kv_release": False}),
+    "mbarrier_release": ("fwd", {"named_kv_release": False}),  # the default since 2026-12-04
+    "named_release": ("fwd", {"named_kv_release": True}),
     "two_kernel": ("bwd", {"fused": False}),
     "fused": ("bwd", {"fused": True}),
-    "named_barriers": ("bwd", {"named_barriers": True}),
+    "named_barriers": ("bwd", {"named_barriers": True}),  # on the two kernels by default
+    "mbarrier_bwd": ("bwd", {"named_barriers": False}),
     "mcs3": ("bwd", {"max_concurrent_steps": 3}),
     "mcs4": ("bwd", {"max_concurrent_steps": 4}),
     "mcs3_named": ("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
     "dq128": ("bwd", {"block_kv_dq": 128}),
 }
-DEFAULT_VARIANTS = "mbarrier_release,two_kernel,fused,named_barriers"
+DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"
 
 
 def parse_variants(spec):

@@ -11,7 +11,8 @@ Sections (in this order, so that a time budget cuts the least important part):
             only (dQ + dK/dV kernels, ``pallas_segment_attention_bwd``) for
             ``BwdTuningConfig(overlap=True, block_kv_dq, fused=False)``, block_kv_dq in {64, 128},
             and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg"), the
-            two-kernel and the fused "pair" backward with ``named_barriers``.
+            two-kernel backward with ``named_barriers`` off and on (None, the default, is on for
+            the two kernels) and the fused "pair" backward with them on.
   packed    packed variable-length batches of 64K and 128K tokens sampled from the five training
             distributions (``liquidcp_jax.workloads.sample_batch``, seed 0), ``--lognormal`` adds
             the two earlier lognormal mixes: ours vs cuDNN's packed layout vs XLA attention
@@ -410,6 +411,7 @@ def variant_configs():
   bwd.append(("bwd fused pair", bwd_lib.BwdTuningConfig(fused=True)))
   bwd.append(("bwd fused wg", bwd_lib.BwdTuningConfig(fused=True, fused_split="wg")))
   bwd.append(("bwd named_barriers", bwd_lib.BwdTuningConfig(fused=False, named_barriers=True)))
+  bwd.append(("bwd mbarrier", bwd_lib.BwdTuningConfig(fused=False, named_barriers=False)))
   bwd.append(("bwd fused pair named_barriers",
               bwd_lib.BwdTuningConfig(fused=True, named_barriers=True)))
   return fwd, bwd

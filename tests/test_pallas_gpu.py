@@ -127,14 +127,15 @@ _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=
                 dict(fused=True, named_barriers=True),
                 dict(fused=True, named_barriers=True, max_concurrent_steps=3),
                 dict(fused=False, max_concurrent_steps=4),
-                dict(fused=False, named_barriers=True, max_concurrent_steps=3)]
+                dict(fused=False, named_barriers=True, max_concurrent_steps=3),
+                dict(fused=False, named_barriers=False)]
 
 
 @pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
 @pytest.mark.parametrize("cfg", _BWD_CONFIGS,
                          ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused",
                               "fused-mcs3", "named", "fused-named", "fused-named-mcs3", "mcs4",
-                              "named-mcs3"])
+                              "named-mcs3", "mbarrier"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])

@@ -70,12 +70,14 @@ def test_forward_named_sched_gpu_lowering(persistent):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_forward_named_kv_release_gpu_lowering(persistent):
   """named_kv_release=True hands K / V ring slots back on named barriers over all three warpgroups
-  (bar.arrive / bar.sync ..., 384) instead of the k_used / v_used mbarriers."""
-  for named in (False, True):
-    txt = _lower_forward_for_gpu(api.TuningConfig(persistent=persistent,
-                                                  named_kv_release=named))
-    assert ("bar.arrive $0, 384;" in txt) == named
-    assert ("bar.sync $0, 384;" in txt) == named
+  (bar.arrive / bar.sync ..., 384) instead of the k_used / v_used mbarriers; the default
+  (named_kv_release=False since 2026-12-04) keeps the mbarriers."""
+  for named in (False, True, None):
+    cfg = (api.TuningConfig(persistent=persistent) if named is None
+           else api.TuningConfig(persistent=persistent, named_kv_release=named))
+    txt = _lower_forward_for_gpu(cfg)
+    assert ("bar.arrive $0, 384;" in txt) == bool(named)
+    assert ("bar.sync $0, 384;" in txt) == bool(named)
   with pytest.raises(ValueError, match="named_kv_release"):
     api.TuningConfig(named_kv_release="yes")
 
@@ -274,7 +276,8 @@ def test_fused_backward_gpu_lowering(hq, hkv):
 def test_backward_named_barriers_gpu_lowering(fused, mcs):
   """BwdTuningConfig(named_barriers=True) releases the SMEM ring slots on named barriers of all
   three warpgroups (bar.arrive / bar.sync ..., 384) and, in the fused kernel, hands dS^T over on
-  named barriers of the two compute warpgroups (256); the default config has neither."""
+  named barriers of the two compute warpgroups (256); False has neither; None (default) has the
+  ring releases in the two-kernel backward only."""
   import re
 
   import jax
@@ -282,17 +285,20 @@ def test_backward_named_barriers_gpu_lowering(fused, mcs):
   sd = jax.ShapeDtypeStruct
   q, k = sd((640, 4, 128), jnp.bfloat16), sd((640, 1, 128), jnp.bfloat16)
   lse, seg = sd((640, 4), jnp.float32), sd((3,), jnp.int32)
-  for named in (False, True):
+  for named in (False, True, None):
     cfg = bwd.BwdTuningConfig(fused=fused, named_barriers=named, max_concurrent_steps=mcs)
+    ring = (not fused) if named is None else named
+    assert cfg.named_for(fused) == ring
     txt = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(
         *a, causal=True, sm_scale=0.1, config=cfg)).trace(
             q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
                 lowering_platforms=("cuda",)).as_text()
-    assert ("bar.arrive $0, 384;" in txt) == named
-    assert ("bar.sync $0, 384;" in txt) == named
+    assert ("bar.arrive $0, 384;" in txt) == ring
+    assert ("bar.sync $0, 384;" in txt) == ring
     # The fused kernel's warpgroup index is static there, so its hand-over ids are immediates.
-    assert bool(re.search(r"bar\.arrive \d+, 256;", txt)) == (named and fused)
-    assert bool(re.search(r"bar\.sync \d+, 256;", txt)) == (named and fused)
+    assert bool(re.search(r"bar\.arrive \d+, 256;", txt)) == (ring and fused)
+    assert bool(re.search(r"bar\.sync \d+, 256;", txt)) == (ring and fused)
+  assert bwd.BwdTuningConfig().named_barriers is None
   with pytest.raises(ValueError, match="named_barriers"):
     bwd.BwdTuningConfig(named_barriers=1)
 

@@ -90,20 +90,24 @@ class BwdTuningConfig:
   fifth session's device-side trace (run q) agrees at 32K (fwd+bwd 522 vs 506 TFLOP/s); a
   round-robin wall-clock run (p) did not (450 vs 481): the 32K choice is within run-to-run spread.
 
-  ``named_barriers=True``: the compute warpgroups hand SMEM ring slots back to the producer on
+  ``named_barriers``: the compute warpgroups hand SMEM ring slots back to the producer on
   hardware named barriers (:class:`sync.RingRelease`), and the fused kernel's two
-  per-step warpgroup hand-overs (dS^T ready / dS^T free) use named barriers too. Opt-in: on the
-  H200 (RESULTS.md, fifth session, runs p and q) it sped up the two-kernel backward at dense 8K
-  (387 vs 380 TFLOP/s wall-clock, 526 vs 514 device-side fwd+bwd) but slowed it at 32K (465 vs
-  481) and slowed the fused kernel (351 vs 393 at 8K, 409 vs 450 at 32K). GPU only (interpret
-  mode keeps the mbarriers)."""
+  per-step warpgroup hand-overs (dS^T ready / dS^T free) use named barriers too. ``None`` (default)
+  turns them on for the two-kernel backward and off for the fused one (:meth:`named_for`). On the
+  H200 they sped up the two-kernel backward at dense 8K (RESULTS.md, fifth session: 387 vs 380
+  TFLOP/s wall-clock, 526 vs 514 device-side fwd+bwd) and on the packed 64K batches by device time
+  (2026-12-04, run u, median of 3 round-robin rounds, fwd+bwd span: FreeLaw 29.02 vs 29.34 ms,
+  ArXiv 55.52 vs 55.96, Pile-CC 13.67 vs 13.92; run t: FreeLaw 128K 98.0 vs 101.9-102.1), but
+  slowed the two kernels at dense 32K (465 vs 481 wall-clock; the fused kernel is the default
+  there) and slowed the fused kernel (351 vs 393 at 8K, 409 vs 450 at 32K). ``True`` / ``False``
+  force them on / off for both. GPU only (interpret mode keeps the mbarriers)."""
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
   overlap: bool = True
   fused: bool | None = None
   fused_split: str = "pair"
-  named_barriers: bool = False
+  named_barriers: bool | None = None
   # Mean segment-capacity length at and above which ``fused=None`` runs the fused kernel.
   fused_from_tokens_per_segment: int = 32768
 
@@ -119,8 +123,8 @@ class BwdTuningConfig:
       raise ValueError(f"fused_split must be 'pair' or 'wg', got {self.fused_split!r}")
     if self.fused not in (None, True, False):
       raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
-    if not isinstance(self.named_barriers, bool):
-      raise ValueError(f"named_barriers must be a bool, got {self.named_barriers!r}")
+    if not (self.named_barriers is None or isinstance(self.named_barriers, bool)):
+      raise ValueError(f"named_barriers must be None, True or False, got {self.named_barriers!r}")
     if self.fused_from_tokens_per_segment < 1:
       raise ValueError("fused_from_tokens_per_segment must be >= 1, got "
                        f"{self.fused_from_tokens_per_segment}")
@@ -133,6 +137,11 @@ class BwdTuningConfig:
       return self.fused
     return num_q_rows >= self.fused_from_tokens_per_segment * max(1, segment_capacity)
 
+  def named_for(self, fused: bool) -> bool:
+    """Whether the (``fused`` or two-kernel) backward uses named barriers on the GPU
+    (``named_barriers``; ``None``: the two kernels do, the fused kernel does not)."""
+    return (not fused) if self.named_barriers is None else self.named_barriers
+
 
 _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)
 # Named barrier ids of the backward kernels (Mosaic GPU keeps 0-3, see pallas.sync): ring
@@ -141,9 +150,11 @@ _ROWS = 64  # rows per compute warpgroup (one wgmma M tile)
 RELEASE_BARRIER_ID = 4
 
 
-def ring_release(used, config: "BwdTuningConfig", interpret: bool, base: int = RELEASE_BARRIER_ID):
-  """The ring release of ``used`` ([mcs] mbarriers) under ``config.named_barriers``."""
-  named = config.named_barriers and not interpret
+def ring_release(used, config: "BwdTuningConfig", interpret: bool, base: int = RELEASE_BARRIER_ID,
+                 fused: bool = False):
+  """The ring release of ``used`` ([mcs] mbarriers) of the ``fused`` or a two-kernel backward
+  kernel under ``config.named_for(fused)``."""
+  named = config.named_for(fused) and not interpret
   return RingRelease(used, base if named else None)
 
 

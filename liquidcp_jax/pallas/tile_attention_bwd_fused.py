@@ -143,8 +143,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
     (k_s, v_s, q_s, do_s, lse_s, dl_s, ds_s, *stage), kv_bar, bars, used, ds_bars = sc
     ds_ready, ds_free = ds_bars
-    release = bwd_lib.ring_release(used, config, False)
-    named = config.named_barriers
+    release = bwd_lib.ring_release(used, config, False, fused=True)
+    named = config.named_for(True)
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = bwd_lib.reverse_task_scalars(tab)
 
     def compute(w):

@@ -45,11 +45,12 @@ class TuningConfig:
   on packed Pile-CC 64K (run m). GPU only (interpret mode keeps the mbarrier, same results).
   ``named_kv_release``: the compute warpgroups hand consumed K / V ring slots back to the producer
   with ``bar.arrive`` on hardware named barriers (one instruction per warp) instead of an SMEM
-  mbarrier arrive from every thread (see :class:`RingRelease`). On by default: on the H200
-  (RESULTS.md, 2026-12-03 fifth session, run p, round-robin) it ran 467.2 vs 460.0 TFLOP/s
-  (persistent) and 450.3 vs 441.3 (plain) at dense 8K, 569.6 vs 564.2 and 568.8 vs 559.5 at 32K;
-  by device-side kernel time (run q) the mbarrier release was as fast or slightly faster (8K 636.4
-  vs 634.6, 32K 671.6 vs 662.1), so the gain is within the spread of the two methods.
+  mbarrier arrive from every thread (see :class:`RingRelease`). Off by default since 2026-12-04: by
+  device time the mbarrier release was faster on every packed 64K batch (RESULTS.md, run u, median
+  of 3 round-robin rounds, forward span: FreeLaw 6.20 vs 6.36 ms, ArXiv 11.77 vs 12.35, Pile-CC
+  3.14 vs 3.22; run t: 6.17 vs 6.32, 11.98 vs 12.26, 3.14 vs 3.20) and as fast or faster on dense
+  causal (run q, kernel time: 8K 636.4 vs 634.6 TFLOP/s, 32K 671.6 vs 662.1); only a round-robin
+  wall-clock run (p) favoured the named release (by 1.5-2 % at dense 8K and 32K).
   GPU only (interpret mode keeps the mbarriers).
   """
   block_q: int = 64
@@ -58,7 +59,7 @@ class TuningConfig:
   persistent: bool | None = None
   num_ctas: int | None = None
   named_sched: bool = True
-  named_kv_release: bool = True
+  named_kv_release: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
