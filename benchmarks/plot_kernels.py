@@ -7,7 +7,7 @@ dense rows, labels each run by the letter after the date in its file name, print
 writes a PNG. Round-robin runs (``--interleave``, "timing": "interleaved") are drawn filled,
 sequential ones hollow (their ratios are biased by run order and clock ramp-up; RESULTS.md).
 
-  python benchmarks/plot_kernels.py [--glob 'benchmarks/results/kernels*_2026-12-03_*.json']
+  python benchmarks/plot_kernels.py [--glob 'benchmarks/results/kernels*_2026-12-0[34]_*.json']
                                     [--out benchmarks/results/kernels_ratios.png]
 """
 import argparse
@@ -76,7 +76,7 @@ def plot(pts, out):
 
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--glob", default="benchmarks/results/kernels*_2026-12-03_*.json")
+  ap.add_argument("--glob", default="benchmarks/results/kernels*_2026-12-0[34]_*.json")
   ap.add_argument("--out", default="benchmarks/results/kernels_ratios.png")
   a = ap.parse_args(argv)
   pts = load_points(a.glob)
