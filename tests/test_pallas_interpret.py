@@ -331,3 +331,37 @@ def test_fused_backward_rejects_unsupported():
   with pytest.raises(ValueError, match="interpreter"):
     api.pallas_segment_attention_bwd(q, k, k, q, lse, q, *seg, 1, causal=True, sm_scale=0.1,
                                      config=bwd.BwdTuningConfig(fused=True), interpret=True)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_interpret_whole_gap_tiles_are_zero(persistent):
+  """Rows in no segment spanning whole task tiles (a plan's unused capacity tail, gaps between
+  aligned sequences): their tasks load nothing and store zeros (out, dQ, dK, dV; lse = -inf).
+  Kernel memory starts as NaN in interpret mode, so a row left unwritten fails."""
+  import jax
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  rng = np.random.default_rng(23 + persistent)
+  t, hq, hkv, d = 640, 2, 1, 64
+  qs = np.array([0, 400], np.int32)
+  ln = np.array([100, 50], np.int32)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
+  q, k, v, do = mk(t, hq, d), mk(t, hkv, d), mk(t, hkv, d), mk(t, hq, d)
+  cfg = api.TuningConfig(persistent=persistent)
+  f = lambda q, k, v: api.varlen_attention(q, k, v, qs, qs, ln, 2, causal=True, sm_scale=0.125,
+                                           interpret=True, config=cfg)
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  grads = vjp((do, jnp.zeros_like(lse)))
+  z = np.zeros(2, np.int32)
+  ro, rl = fwd.reference_attention(q, k, v, qs, ln, qs, ln, z, z, 2, causal=True, sm_scale=0.125)
+  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, 2, causal=True,
+                                     sm_scale=0.125)
+  gap = np.ones(t, bool)
+  gap[0:100] = gap[400:450] = False
+  out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+  np.testing.assert_array_equal(out[gap], 0.0)
+  assert np.isneginf(lse[gap]).all()
+  np.testing.assert_allclose(out[~gap], ro[~gap], atol=5e-3, rtol=0)
+  for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+    g = np.asarray(g, np.float64)
+    np.testing.assert_array_equal(g[gap], 0.0, err_msg=name)
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3, name

@@ -368,10 +368,14 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
       # block_kv_dq=128 at head_dim 128 inside the SMEM limit.
       srcs = ((q_ref.at[rows, head], q_s2.at[wg]), (do_ref.at[rows, head], do_s2.at[wg]),
               (lse_ref.at[head, rows], ld_s.at[0, wg]), (dl_ref.at[head, rows], ld_s.at[1, wg]))
-      for (src, dst), bar in zip(srcs, in_bars):
-        plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
-      for bar in in_bars:
-        plgpu.barrier_wait(bar.at[wg])
+      # A gap task (no KV tiles: rows in no segment) only stores zeros, so it loads nothing; with
+      # a plan's unused capacity tail these are up to half of the grid.
+      @pl.when(n_tiles > 0)
+      def _():
+        for (src, dst), bar in zip(srcs, in_bars):
+          plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+        for bar in in_bars:
+          plgpu.barrier_wait(bar.at[wg])
       q_s, do_s, st_s = q_s2.at[wg], do_s2.at[wg], (st_s2.at[wg] if interpret else None)
       lse = plgpu.load(ld_s.at[0, wg], layout=plgpu.Layout.WGMMA.reduce(1))
       dlt = plgpu.load(ld_s.at[1, wg], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -491,10 +495,14 @@ def dkv_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scal
       full_lo, full_hi = get("full_lo"), get("full_hi")
       r0 = wg * _ROWS
       rows = pl.ds(row_base + r0, _ROWS)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_s2.at[wg], in_bars[0].at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_s2.at[wg], in_bars[1].at[wg])
-      plgpu.barrier_wait(in_bars[0].at[wg])
-      plgpu.barrier_wait(in_bars[1].at[wg])
+
+      @pl.when(nt > 0)  # gap task (keys in no segment): zeros only, nothing to load
+      def _():
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_s2.at[wg], in_bars[0].at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_s2.at[wg], in_bars[1].at[wg])
+        plgpu.barrier_wait(in_bars[0].at[wg])
+        plgpu.barrier_wait(in_bars[1].at[wg])
+
       k_s, v_s, st_s = k_s2.at[wg], v_s2.at[wg], (st_s2.at[wg] if interpret else None)
       zero = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 

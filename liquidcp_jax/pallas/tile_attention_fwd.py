@@ -328,8 +328,12 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       q_smem = q_smem2.at[wg]
       o_smem = o_smem2.at[wg]
       r0 = wg * bq  # this warpgroup's first row inside the task tile
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + r0, bq), head], q_smem, q_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
+
+      @pl.when(n_tiles > 0)  # a gap task (rows in no segment) writes zeros: no Q needed
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + r0, bq), head], q_smem, q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -413,7 +417,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
               jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
   kw = {}
   if interpret:
-    kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="zero")
+    kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="nan")
   return plgpu.kernel(
       # Mosaic GPU launches the last grid axis fastest (CUDA x): heads, so that CTAs start in the
       # table's heaviest-first task order (a tasks-fastest launch ran every head's light tasks
