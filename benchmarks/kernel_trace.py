@@ -244,15 +244,16 @@ def main():
           per_round[name].append(
               trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps))
         except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
-          errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
-          rows.append({"case": label, "impl": name, "error": errors[name]})
-          print(json.dumps(rows[-1]), flush=True)
+          errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "round": rnd,
+                          "rounds_done": len(per_round[name])}
+          print(json.dumps({"case": label, "impl": name, **errors[name]}), flush=True)
           continue
         r = per_round[name][-1]
         print(json.dumps({"case": label, "impl": name, "round": rnd, "span_ms": r["span_ms"],
                           "kernel_ms": r["kernel_ms"]}), flush=True)
     for name, (f, rest, with_do, mult) in impls.items():
-      if name in errors:
+      if name in errors:  # rows stay in implementation order; an error drops the whole impl
+        rows.append({"case": label, "impl": name, **errors[name]})
         continue
       res = median_rounds(per_round[name])
       tf = lambda ms: round(mult * flops / ms / 1e9, 1) if ms else None
@@ -290,7 +291,7 @@ def print_table(rows):
              if base and r["tflops_span"] and base["tflops_span"] else float("nan"))
     span = f"{r['span_ms']:.3f}" if r["span_ms"] is not None else "-"
     rs = [x for x in r.get("span_ms_rounds") or () if x is not None]
-    spread = (f"{100 * (max(rs) - min(rs)) / np.median(rs):5.1f}%" if len(rs) > 1 else "    -")
+    spread = (f"{100 * (max(rs) - min(rs)) / np.median(rs):5.1f}%" if len(rs) > 1 else "     -")
     print(f"{r['case'][:13]:13s} {r['impl'][:34]:34s} {span:>9s} {r['kernel_ms']:9.3f} "
           f"{(r['tflops_span'] or float('nan')):8.1f} {(r['tflops_kernels'] or float('nan')):8.1f} "
           f"{ratio:7.3f} {spread}  {top[0][:32]} ({top[2]:.0f} us)")

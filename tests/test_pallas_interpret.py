@@ -199,6 +199,8 @@ def test_bwd_config_validation():
     bwd.BwdTuningConfig(block_kv_dq=32)
   with pytest.raises(ValueError, match="overlap"):
     bwd.BwdTuningConfig(overlap=1)
+  with pytest.raises(ValueError, match="fused"):
+    bwd.BwdTuningConfig(fused=1)
   q = jnp.zeros((256, 2, 128), jnp.bfloat16)
   k = jnp.zeros((256, 1, 128), jnp.bfloat16)
   lse = jnp.zeros((2, 256), jnp.float32)
@@ -333,11 +335,12 @@ def test_fused_backward_rejects_unsupported():
                                      config=bwd.BwdTuningConfig(fused=True), interpret=True)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_interpret_whole_gap_tiles_are_zero(persistent):
+@pytest.mark.parametrize("persistent,num_ctas", [(False, None), (True, None), (True, 1)])
+def test_interpret_whole_gap_tiles_are_zero(persistent, num_ctas):
   """Rows in no segment spanning whole task tiles (a plan's unused capacity tail, gaps between
   aligned sequences): their tasks load nothing and store zeros (out, dQ, dK, dV; lse = -inf).
-  Kernel memory starts as NaN in interpret mode, so a row left unwritten fails."""
+  Kernel memory starts as NaN in interpret mode, so a row left unwritten fails. num_ctas=1: one
+  persistent CTA walks every item, the gap items of both heads back to back."""
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   rng = np.random.default_rng(23 + persistent)
@@ -346,7 +349,7 @@ def test_interpret_whole_gap_tiles_are_zero(persistent):
   ln = np.array([100, 50], np.int32)
   mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
   q, k, v, do = mk(t, hq, d), mk(t, hkv, d), mk(t, hkv, d), mk(t, hq, d)
-  cfg = api.TuningConfig(persistent=persistent)
+  cfg = api.TuningConfig(persistent=persistent, num_ctas=num_ctas)
   f = lambda q, k, v: api.varlen_attention(q, k, v, qs, qs, ln, 2, causal=True, sm_scale=0.125,
                                            interpret=True, config=cfg)
   (out, lse), vjp = jax.vjp(f, q, k, v)

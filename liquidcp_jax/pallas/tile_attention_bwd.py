@@ -121,7 +121,7 @@ class BwdTuningConfig:
       raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
     if self.fused_split not in ("pair", "wg"):
       raise ValueError(f"fused_split must be 'pair' or 'wg', got {self.fused_split!r}")
-    if self.fused not in (None, True, False):
+    if not (self.fused is None or isinstance(self.fused, bool)):
       raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
     if not (self.named_barriers is None or isinstance(self.named_barriers, bool)):
       raise ValueError(f"named_barriers must be None, True or False, got {self.named_barriers!r}")

@@ -48,9 +48,10 @@ class TuningConfig:
   mbarrier arrive from every thread (see :class:`RingRelease`). Off by default since 2026-12-04: by
   device time the mbarrier release was faster on every packed 64K batch (RESULTS.md, run u, median
   of 3 round-robin rounds, forward span: FreeLaw 6.20 vs 6.36 ms, ArXiv 11.77 vs 12.35, Pile-CC
-  3.14 vs 3.22; run t: 6.17 vs 6.32, 11.98 vs 12.26, 3.14 vs 3.20) and as fast or faster on dense
-  causal (run q, kernel time: 8K 636.4 vs 634.6 TFLOP/s, 32K 671.6 vs 662.1); only a round-robin
-  wall-clock run (p) favoured the named release (by 1.5-2 % at dense 8K and 32K).
+  3.14 vs 3.22; run t: 6.17 vs 6.32, 11.98 vs 12.26, 3.14 vs 3.20); on dense causal the two are
+  within ~1.5 % either way (run q, kernel time: 8K 636.4 vs 634.6 TFLOP/s, 32K 671.6 vs 662.1; run
+  v, span: 8K 0.856 vs 0.860 ms, but 32K 13.21 vs 13.06 for the named release), and a round-robin
+  wall-clock run (p) favoured the named release by 1-2 %.
   GPU only (interpret mode keeps the mbarriers).
   """
   block_q: int = 64

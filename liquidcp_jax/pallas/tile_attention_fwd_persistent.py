@@ -103,8 +103,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           kv_lo, kv_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
           full_lo, full_hi = get("full_lo"), get("full_hi")
           q_smem = q_smem2.at[wg]
-          # A gap task (no KV tiles) only writes zeros: its Q is not loaded (see the producer).
-          pl.when(n_tiles > 0)(lambda: plgpu.barrier_wait(q_bar.at[wg]))
+          plgpu.barrier_wait(q_bar.at[wg])
           m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                                   plgpu.Layout.WGMMA.reduce(1))
           l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
@@ -171,13 +170,13 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           def _():
             plgpu.barrier_wait(q_free)
 
-          # Gap tasks (rows in no segment, e.g. the unused tail of a plan's capacity) skip the Q
-          # load: they need none, and each would add a load latency per item.
-          @pl.when(n_tiles > 0)
-          def _():
-            for w in range(2):
-              plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + w * bq, bq), head],
-                                      q_smem2.at[w], q_bar.at[w])
+          # Gap items load Q too although they need none. Skipping the load must keep the compute
+          # warpgroups waiting on q_bar (e.g. a plain arrive instead of the copy): a gap item that
+          # skipped the wait could run two q_free phases ahead of this warpgroup's waits, where
+          # an mbarrier parity wait aliases (RESULTS.md, 2026-12-04, run y).
+          for w in range(2):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + w * bq, bq), head],
+                                    q_smem2.at[w], q_bar.at[w])
 
           @pl.loop(0, n_tiles)
           def _(j):
