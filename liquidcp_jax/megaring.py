@@ -367,13 +367,35 @@ def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: boo
     sh = plan.sharding
     segs = tuple(_constrain(jnp.asarray(x), sh) for x in plan.segments)
     q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    config, bwd_config = one_step_configs(plan)
 
     def f(q, k, v, start, length, count):
         out, _ = pallas_api.varlen_attention(q, k, v, start[0], start[0], length[0], count[0, 0],
-                                             causal=static.causal, sm_scale=scale, interpret=interpret)
+                                             causal=static.causal, sm_scale=scale, interpret=interpret,
+                                             config=config, bwd_config=bwd_config)
         return (out,)
 
     return _local(f, static, 6, 1)(q, k, v, *segs)[0]
+
+
+def one_step_configs(plan: MegaRingPlan):
+    """(``TuningConfig``, ``BwdTuningConfig``) of the one-step path: the kernels' default choices
+    (persistent forward, fused backward) made from the plan's tokens per device, not from its
+    layout's rows. The layout holds ``local_capacity`` rows per device, a power-of-two bucket of
+    the padded tokens (up to 2x the tokens), and the choice rules were measured as tokens per
+    segment slot on tight layouts (RESULTS.md); counting the empty rows would, e.g., run the plain
+    forward on a 128K batch of 9 sequences in 256K rows (ArXiv, run x), or the fused backward on
+    one 16.5K-token sequence in 32K rows, where the other kernel won."""
+    from liquidcp_jax.pallas import api as pallas_api
+    from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+    rows = -(-plan.static.num_tokens // plan.static.num_devices)
+    slots = int(plan.segments[0].shape[1])
+    fwd = pallas_api.TuningConfig()
+    bwd = bwd_lib.BwdTuningConfig()
+    # fused=None (not True) where the rule picks it: the API still falls back to the two kernels
+    # where the fused one cannot run (head_dim 64, interpret mode).
+    return (dataclasses.replace(fwd, persistent=fwd.use_persistent(rows, slots)),
+            dataclasses.replace(bwd, fused=None if bwd.use_fused(rows, slots) else False))
 
 
 def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:
