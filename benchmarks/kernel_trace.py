@@ -184,6 +184,29 @@ def median_rounds(results):
           "kernel_ms_rounds": kerns}
 
 
+def trace_rounds(impls, run, rounds, label=""):
+  """Runs every implementation ``rounds`` times round-robin: ``run(f, rest, with_do)`` (a
+  :func:`trace_calls` result) for each ``impls`` entry per round, printing a JSON line each.
+  Returns ({name: [results of the rounds]}, {name: {"error", "round", "rounds_done"}}); an
+  implementation that raises is not run again (its earlier rounds are dropped from the table)."""
+  per_round, errors = {name: [] for name in impls}, {}
+  for rnd in range(rounds):
+    for name, (f, rest, with_do, _) in impls.items():
+      if name in errors:
+        continue
+      try:
+        per_round[name].append(run(f, rest, with_do))
+      except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+        errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "round": rnd,
+                        "rounds_done": len(per_round[name])}
+        print(json.dumps({"case": label, "impl": name, **errors[name]}), flush=True)
+        continue
+      r = per_round[name][-1]
+      print(json.dumps({"case": label, "impl": name, "round": rnd, "span_ms": r["span_ms"],
+                        "kernel_ms": r["kernel_ms"]}), flush=True)
+  return per_round, errors
+
+
 def cases(a):
   """[(label, lengths, baselines)]: dense S (cuDNN, tokamax where it imports) and packed batches
   (``workloads.sample_batch(dataset, tokens, 0)``, as kernels.py; cuDNN's packed layout)."""
@@ -235,22 +258,9 @@ def main():
     q, k, v, do = kernels._inputs(t if len(lens) == 1 else t + len(lens), t)
     flops = kernels.causal_fwd_flops(lens)
     impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, variants, baselines)
-    per_round, errors = {name: [] for name in impls}, {}
-    for rnd in range(a.rounds):
-      for name, (f, rest, with_do, mult) in impls.items():
-        if name in errors:
-          continue
-        try:
-          per_round[name].append(
-              trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps))
-        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
-          errors[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "round": rnd,
-                          "rounds_done": len(per_round[name])}
-          print(json.dumps({"case": label, "impl": name, **errors[name]}), flush=True)
-          continue
-        r = per_round[name][-1]
-        print(json.dumps({"case": label, "impl": name, "round": rnd, "span_ms": r["span_ms"],
-                          "kernel_ms": r["kernel_ms"]}), flush=True)
+    run = lambda f, rest, with_do: trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest),
+                                               a.reps)
+    per_round, errors = trace_rounds(impls, run, a.rounds, label)
     for name, (f, rest, with_do, mult) in impls.items():
       if name in errors:  # rows stay in implementation order; an error drops the whole impl
         rows.append({"case": label, "impl": name, **errors[name]})

@@ -111,3 +111,20 @@ def test_every_variant_is_a_valid_config():
     if kind == "bwd" and not cfg.fused:
       for k in ("dq", "dkv"):  # fits the H200's SMEM at head_dim 128
         assert bwd_lib.smem_bytes(k, cfg, 128) <= bwd_lib._SMEM_LIMIT, (name, k)
+
+
+def test_trace_rounds_round_robin_and_errors():
+  calls = []
+
+  def run(f, rest, with_do):
+    calls.append(f)
+    if f == "b" and sum(c == "b" for c in calls) == 2:
+      raise RuntimeError("out of memory")
+    return {"span_ms": 1.0, "kernel_ms": 0.9}
+
+  impls = {n: (n, (), False, 1.0) for n in ("a", "b", "c")}
+  per_round, errors = kernel_trace.trace_rounds(impls, run, 3, "case")
+  # Round-robin order; "b" fails in round 1 and is not run again.
+  assert calls == ["a", "b", "c", "a", "b", "c", "a", "c"]
+  assert len(per_round["a"]) == len(per_round["c"]) == 3
+  assert errors == {"b": {"error": "RuntimeError: out of memory", "round": 1, "rounds_done": 1}}
