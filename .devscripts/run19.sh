@@ -1,4 +1,4 @@
-# Next H200 call (prepared 2026-12-04, not run yet): the whole GPU suite on HEAD (run y left out the
+# H200 call (2026-12-04, run z): the whole GPU suite on HEAD (run y left out the
 # fused tests and the two-kernel GQA-packed off-* tests after the gap-task change), the one-step path
 # with megaring.one_step_configs, then the persistent forward's gap items without their Q load
 # (.devscripts/persistent_gap_arrive.patch: the producer arrives on q_bar instead of copying Q; applied

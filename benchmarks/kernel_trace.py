@@ -115,12 +115,16 @@ VARIANTS = {
     "named_release": ("fwd", {"named_kv_release": True}),
     "two_kernel": ("bwd", {"fused": False}),
     "fused": ("bwd", {"fused": True}),
+    "fused_v1": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 1}),
     "named_barriers": ("bwd", {"named_barriers": True}),  # on the two kernels by default
     "mbarrier_bwd": ("bwd", {"named_barriers": False}),
     "mcs3": ("bwd", {"max_concurrent_steps": 3}),
     "mcs4": ("bwd", {"max_concurrent_steps": 4}),
     "mcs3_named": ("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
     "dq128": ("bwd", {"block_kv_dq": 128}),
+    "fused_dqearly": ("bwd", {"fused": True, "fused_dq_early": True}),
+    "fused_ds2": ("bwd", {"fused": True, "fused_ds_stages": 2}),
+    "fused_dqearly_ds2": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 2}),
 }
 DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"
 

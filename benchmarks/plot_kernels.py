@@ -21,6 +21,11 @@ SERIES = (("ours fwd", "ours_fwd", "o"), ("ours fwd+bwd", "ours_fwdbwd", "s"),
           ("tokamax fwd", "tokamax_fwd", "^"), ("tokamax fwd+bwd", "tokamax_fwdbwd", "v"))
 
 
+def run_order(label):
+  """Sort key of run letters in the order they were given: a ... z, aa, ab, ..."""
+  return (len(label), label)
+
+
 def load_points(pattern):
   """[(run label, S, interleaved, {series: TFLOP/s over cuDNN's})] from the dense rows."""
   pts = []
@@ -52,7 +57,7 @@ def plot(pts, out):
   fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
   for ax, s in zip(axes[0], sizes):
     sub = [p for p in pts if p[1] == s]
-    runs = sorted({p[0] for p in sub})
+    runs = sorted({p[0] for p in sub}, key=run_order)
     xs = {run: i for i, run in enumerate(runs)}
     for (name, _, marker), color in zip(SERIES, ("C0", "C1", "C2", "C3")):
       for filled in (True, False):
@@ -83,7 +88,7 @@ def main(argv=None):
   if not pts:
     sys.exit(f"no dense rows in {a.glob!r}")
   print(f"{'run':4s} {'S':>6s} {'timing':12s} " + " ".join(f"{n:>16s}" for n, _, _ in SERIES))
-  for run, s, il, v in sorted(pts, key=lambda p: (p[1], p[0])):
+  for run, s, il, v in sorted(pts, key=lambda p: (p[1], run_order(p[0]))):
     cells = " ".join(f"{v[n]:16.3f}" if n in v else f"{'-':>16s}" for n, _, _ in SERIES)
     print(f"{run:4s} {s:6d} {'interleaved' if il else 'sequential':12s} {cells}")
   plot(pts, a.out)

@@ -379,13 +379,13 @@ def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: boo
 
 
 def one_step_configs(plan: MegaRingPlan):
-    """(``TuningConfig``, ``BwdTuningConfig``) of the one-step path: the kernels' default choices
-    (persistent forward, fused backward) made from the plan's tokens per device, not from its
-    layout's rows. The layout holds ``local_capacity`` rows per device, a power-of-two bucket of
-    the padded tokens (up to 2x the tokens), and the choice rules were measured as tokens per
-    segment slot on tight layouts (RESULTS.md); counting the empty rows would, e.g., run the plain
-    forward on a 128K batch of 9 sequences in 256K rows (ArXiv, run x), or the fused backward on
-    one 16.5K-token sequence in 32K rows, where the other kernel won."""
+    """(``TuningConfig``, ``BwdTuningConfig``) of the one-step path. The persistent forward is
+    chosen from the plan's tokens per device, not from its layout's rows: the layout holds
+    ``local_capacity`` rows per device, a power-of-two bucket of the padded tokens (up to 2x the
+    tokens), and the rule was measured as tokens per segment slot on tight layouts (RESULTS.md);
+    counting the empty rows would, e.g., run the plain forward on a 128K batch of 9 sequences in
+    256K rows (ArXiv, run x). The backward keeps ``fused=None``: it picks the fused kernel on the
+    device from the batch's actual segment lengths (``BwdTuningConfig.fused_at_run_time``)."""
     from liquidcp_jax.pallas import api as pallas_api
     from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
     rows = -(-plan.static.num_tokens // plan.static.num_devices)
@@ -394,8 +394,7 @@ def one_step_configs(plan: MegaRingPlan):
     bwd = bwd_lib.BwdTuningConfig()
     # fused=None (not True) where the rule picks it: the API still falls back to the two kernels
     # where the fused one cannot run (head_dim 64, interpret mode).
-    return (dataclasses.replace(fwd, persistent=fwd.use_persistent(rows, slots)),
-            dataclasses.replace(bwd, fused=None if bwd.use_fused(rows, slots) else False))
+    return dataclasses.replace(fwd, persistent=fwd.use_persistent(rows, slots)), bwd
 
 
 def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:

@@ -128,14 +128,19 @@ _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=
                 dict(fused=True, named_barriers=True, max_concurrent_steps=3),
                 dict(fused=False, max_concurrent_steps=4),
                 dict(fused=False, named_barriers=True, max_concurrent_steps=3),
-                dict(fused=False, named_barriers=False)]
+                dict(fused=False, named_barriers=False),
+                dict(fused=True, fused_dq_early=True),
+                dict(fused=True, fused_ds_stages=2),
+                dict(fused=True, fused_dq_early=True, fused_ds_stages=2),
+                dict(fused=True, fused_dq_early=True, fused_ds_stages=2, named_barriers=True)]
 
 
 @pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
 @pytest.mark.parametrize("cfg", _BWD_CONFIGS,
                          ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused",
                               "fused-mcs3", "named", "fused-named", "fused-named-mcs3", "mcs4",
-                              "named-mcs3", "mbarrier"])
+                              "named-mcs3", "mbarrier", "fused-dqearly", "fused-ds2",
+                              "fused-dqearly-ds2", "fused-dqearly-ds2-named"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])
@@ -163,7 +168,7 @@ def _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, *, causal, s
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mode,d", [("pair", 128), ("wg", 128), ("wg", 64), ("off", 128),
-                                    ("pair-named", 128)])
+                                    ("pair-named", 128), ("pair-early-ds2", 128)])
 def test_fused_backward_gqa_packed(causal, mode, d):
   """Fused dK/dV/dQ kernel (both dQ splits) and the two-kernel path vs float64: GQA 4, segments
   sharing 128-row blocks (their keys must not leak into each other's dQ), lengths that are not
@@ -174,7 +179,47 @@ def test_fused_backward_gqa_packed(causal, mode, d):
   do = jnp.asarray(np.random.default_rng(5 + causal).standard_normal(q.shape), q.dtype)
   out, lse = jax.jit(lambda *a: api.varlen_attention(*a, causal=causal, sm_scale=scale))(
       q, k, v, qs, ks, ln, n)
-  config = (bwd_ref.BwdTuningConfig(fused=False) if mode == "off"
-            else bwd_ref.BwdTuningConfig(fused=True, fused_split="pair", named_barriers=True)
-            if mode == "pair-named" else bwd_ref.BwdTuningConfig(fused=True, fused_split=mode))
+  config = {"off": bwd_ref.BwdTuningConfig(fused=False),
+            "pair-named": bwd_ref.BwdTuningConfig(fused=True, named_barriers=True),
+            "pair-early-ds2": bwd_ref.BwdTuningConfig(fused=True, fused_dq_early=True,
+                                                      fused_ds_stages=2),
+            }.get(mode) or bwd_ref.BwdTuningConfig(fused=True, fused_split=mode)
   _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, causal=causal, scale=scale)
+
+
+def test_default_backward_picks_fused_per_batch_without_recompiling():
+  """BwdTuningConfig(fused=None) compiles the fused and the two-kernel backward behind one
+  conditional and picks per batch on the device (mean segment length >=
+  fused_from_tokens_per_segment, 3000 here to keep the float64 reference small): two batches of
+  one shape (one executable, checked by the jit cache), one of a single 3500-token sequence
+  (fused) and one of four 1000-token sequences (two kernels), both vs float64, with outputs
+  poisoned first."""
+  t, hq, hkv, d, scale = 4096, 4, 1, 128, 0.088
+  rng = np.random.default_rng(211)
+  cfg = bwd_ref.BwdTuningConfig(fused_from_tokens_per_segment=3000)
+  assert cfg.may_fuse(t)
+
+  @jax.jit
+  def grads(q, k, v, do, qs, ln, n):
+    f = lambda q, k, v: api.varlen_attention(q, k, v, qs, qs, ln, n, causal=True, sm_scale=scale,
+                                             bwd_config=cfg)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return vjp((do, jnp.zeros_like(lse)))
+
+  for lens, fused in (([3500], True), ([1000, 1000, 1000, 1000], False)):
+    qs = np.zeros(4, np.int32)
+    qs[:len(lens)] = np.cumsum(np.r_[0, lens[:-1]])
+    ln = np.full(4, 7, np.int32)  # stale lengths beyond num_segs must not count
+    ln[:len(lens)] = lens
+    n = len(lens)
+    assert bool(cfg.fused_at_run_time(jnp.asarray(ln), jnp.int32(n))) == fused
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v, do = mk(t, hq, d), mk(t, hkv, d), mk(t, hkv, d), mk(t, hq, d)
+    jax.block_until_ready(grads(q, k, v, do * jnp.nan, qs, ln, n))  # poison
+    got = grads(q, k, v, do, qs, ln, n)
+    z = np.zeros(4, np.int32)
+    refs = bwd_ref.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, n, causal=True,
+                                           sm_scale=scale)
+    for name, a, b in zip(("dq", "dk", "dv"), got, refs):
+      assert _rel(a, b) < 2e-2, (lens, name)
+  assert grads._cache_size() == 1

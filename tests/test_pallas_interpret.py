@@ -1,4 +1,5 @@
 """The Mosaic GPU forward kernel in CPU interpret mode (small shapes) vs the float64 reference."""
+import dataclasses
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -244,25 +245,28 @@ def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
 def test_fused_backward_gpu_lowering(hq, hkv):
   """The fused dK/dV/dQ kernel (TMA reduce-add, not runnable in interpret mode) lowers to one
   Mosaic GPU call on CPU with both dQ splits, the float32 dQ accumulator aliased input -> output;
-  the default config (fused=None) runs the two kernels on short segments, the fused one from
-  fused_from_tokens_per_segment tokens per segment slot, and the two kernels again at head_dim 64
-  (where fused_split='pair' cannot run) instead of raising."""
+  the default config (fused=None) compiles both backward paths behind one conditional (the fused
+  kernel and the dQ, dK/dV kernels: 3 calls) when a segment of fused_from_tokens_per_segment
+  tokens fits in the rows, only the two kernels when none fits, and only the two kernels at
+  head_dim 64 (where fused_split='pair' cannot run) instead of raising."""
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   sd = jax.ShapeDtypeStruct
   q, k = sd((640, hq, 128), jnp.bfloat16), sd((640, hkv, 128), jnp.bfloat16)
   lse, seg = sd((640, hq), jnp.float32), sd((3,), jnp.int32)
   for cfg, n_calls in ((bwd.BwdTuningConfig(fused=True), 1), (bwd.BwdTuningConfig(), 2),
+                       (bwd.BwdTuningConfig(fused=False), 2),
                        (bwd.BwdTuningConfig(fused=True, max_concurrent_steps=3), 1),
                        (bwd.BwdTuningConfig(fused=True, fused_split="wg"), 1),
-                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=213), 1),
-                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=214), 2)):
+                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=640), 3),
+                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=641), 2)):
     f = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(*a, causal=True,
                                                                      sm_scale=0.1, config=cfg))
     txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     calls = [l for l in txt.splitlines() if "custom_call @mosaic_gpu" in l]
     assert len(calls) == n_calls
+    assert ("stablehlo.case" in txt or "stablehlo.if" in txt) == (n_calls == 3)
     if n_calls == 1:
       assert "output_operand_alias<output_tuple_indices = [2], operand_index = 7" in calls[0]
   q64, k64 = sd((640, hq, 64), jnp.bfloat16), sd((640, hkv, 64), jnp.bfloat16)
@@ -272,6 +276,21 @@ def test_fused_backward_gpu_lowering(hq, hkv):
       q64, k64, k64, q64, lse, q64, seg, seg, seg, sd((), jnp.int32)).lower(
           lowering_platforms=("cuda",)).as_text()
   assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 2
+
+
+def test_fused_at_run_time_uses_actual_segment_lengths():
+  """fused=None decides per batch from the mean length of the batch's num_segs segments (padding
+  slots beyond num_segs and their stale lengths ignored; no segments is not fused)."""
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  cfg = bwd.BwdTuningConfig(fused_from_tokens_per_segment=1000)
+  f = lambda lens, n: bool(cfg.fused_at_run_time(jnp.asarray(lens, jnp.int32), jnp.int32(n)))
+  assert f([1500, 500, 9999, 9999], 2)          # mean 1000
+  assert not f([1500, 499, 9999, 9999], 2)      # mean 999.5
+  assert f([2000, 1, 1, 1], 1) and not f([2000, 1, 1, 1], 4)  # mean 2000 vs 500.75
+  assert not f([2000, 1, 1, 1], 0)
+  assert cfg.may_fuse(1000) and not cfg.may_fuse(999)
+  assert bwd.BwdTuningConfig(fused=True).may_fuse(1)
+  assert not bwd.BwdTuningConfig(fused=False).may_fuse(10**6)
 
 
 @pytest.mark.parametrize("fused,mcs", [(False, 2), (False, 4), (True, 2), (True, 3)])
@@ -368,3 +387,40 @@ def test_interpret_whole_gap_tiles_are_zero(persistent, num_ctas):
     g = np.asarray(g, np.float64)
     np.testing.assert_array_equal(g[gap], 0.0, err_msg=name)
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3, name
+
+
+@pytest.mark.parametrize("dq_early,ds_stages,named,mcs", [
+    (True, 1, None, 2), (False, 2, None, 2), (True, 2, None, 2), (True, 2, None, 3),
+    (True, 2, True, 2)])
+def test_fused_schedule_options_gpu_lowering(dq_early, ds_stages, named, mcs):
+  """BwdTuningConfig.fused_dq_early / fused_ds_stages (with mbarrier and named hand-overs, 2 and
+  3 ring slots) lower to one Mosaic GPU call within the SMEM budget (Mosaic checks it while
+  lowering); the SMEM estimate grows by the second dS^T buffer (128 keys x 64 queries, bf16)."""
+  import re
+
+  import jax
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
+  sd = jax.ShapeDtypeStruct
+  q, k = sd((640, 8, 128), jnp.bfloat16), sd((640, 2, 128), jnp.bfloat16)
+  lse, seg = sd((640, 8), jnp.float32), sd((3,), jnp.int32)
+  cfg = bwd.BwdTuningConfig(fused=True, max_concurrent_steps=mcs, named_barriers=named,
+                            fused_dq_early=dq_early, fused_ds_stages=ds_stages)
+  assert fused_lib.supports(cfg, 128) == (True, "")
+  one = dataclasses.replace(cfg, fused_ds_stages=1)
+  assert fused_lib.smem_bytes(cfg, 128) - fused_lib.smem_bytes(one, 128) == (
+      (ds_stages - 1) * 128 * 64 * 2)
+  f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=True, sm_scale=0.1,
+                                                          config=cfg))
+  txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 1
+  assert bool(re.search(r"bar\.sync \d+, 256;", txt)) == bool(named)
+
+
+def test_fused_schedule_options_validated():
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  with pytest.raises(ValueError, match="fused_ds_stages"):
+    bwd.BwdTuningConfig(fused_ds_stages=3)
+  with pytest.raises(ValueError, match="fused_dq_early"):
+    bwd.BwdTuningConfig(fused_dq_early=1)

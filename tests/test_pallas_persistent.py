@@ -123,3 +123,49 @@ def test_auto_persistent_rule():
   assert not api.TuningConfig(persistent=False).use_persistent(128, 8)
   with pytest.raises(ValueError, match="persistent"):
     api.TuningConfig(persistent="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU_OK, reason=_GPU_WHY)
+@pytest.mark.parametrize("num_ctas,fused", [(1, False), (3, True), (None, False)])
+def test_whole_gap_tiles_gpu(num_ctas, fused):
+  """On the H200: rows in no segment spanning whole 128-row task tiles (a plan's unused capacity
+  tail, as the one-step MegaRing path has) next to real segments. The persistent forward's gap
+  items arrive on q_bar without loading Q; with one CTA every item, gap items of all heads back to
+  back, runs on one CTA. Out, dQ, dK, dV there must be exactly zero and lse -inf; the covered rows
+  match float64. Outputs are poisoned first (a NaN run)."""
+  import jax
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  rng = np.random.default_rng(131 + (num_ctas or 0) + fused)
+  t, hq, hkv, d = 2048, 8, 2, 128
+  qs = np.array([0, 700, 1100], np.int32)
+  ln = np.array([300, 129, 1], np.int32)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  q, k, v, do = mk(t, hq, d), mk(t, hkv, d), mk(t, hkv, d), mk(t, hq, d)
+  cfg = api.TuningConfig(persistent=True, num_ctas=num_ctas)
+  bcfg = bwd.BwdTuningConfig(fused=fused)
+  f = lambda q, k, v: api.varlen_attention(q, k, v, qs, qs, ln, len(ln), causal=True,
+                                           sm_scale=0.088, config=cfg, bwd_config=bcfg)
+
+  @jax.jit
+  def run(q, k, v, do):
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return (out, lse) + vjp((do, jnp.zeros_like(lse)))
+
+  jax.block_until_ready(run(q * jnp.nan, k * jnp.nan, v, do * jnp.nan))
+  out, lse, *grads = (np.asarray(x, np.float64) for x in run(q, k, v, do))
+  z = np.zeros_like(ln)
+  ro, rl = fwd.reference_attention(q, k, v, qs, ln, qs, ln, z, z, len(ln), causal=True,
+                                   sm_scale=0.088)
+  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, len(ln), causal=True,
+                                     sm_scale=0.088)
+  gap = np.ones(t, bool)
+  for s, n in zip(qs, ln):
+    gap[s:s + n] = False
+  np.testing.assert_array_equal(out[gap], 0.0)
+  assert np.isneginf(lse[gap]).all()
+  assert np.linalg.norm(out[~gap] - ro[~gap]) / np.linalg.norm(ro[~gap]) < 2e-2
+  assert np.linalg.norm(lse[~gap] - rl[~gap]) / np.linalg.norm(rl[~gap]) < 2e-2
+  for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+    np.testing.assert_array_equal(g[gap], 0.0, err_msg=name)
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2, name

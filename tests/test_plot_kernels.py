@@ -28,3 +28,8 @@ def test_plot_from_recorded_runs(tmp_path):
 def test_plot_without_rows_fails_loudly(tmp_path):
   with pytest.raises(SystemExit, match="no dense rows"):
     plot_kernels.main(["--glob", str(tmp_path / "none_*.json"), "--out", str(tmp_path / "x.png")])
+
+
+def test_run_order_puts_two_letter_runs_last():
+  runs = ["ab", "b", "aa", "z", "a", "ac"]
+  assert sorted(runs, key=plot_kernels.run_order) == ["a", "b", "z", "aa", "ab", "ac"]

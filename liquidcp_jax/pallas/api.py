@@ -150,21 +150,24 @@ def _roundup(x, m):
   return max(-(-x // m) * m, m)
 
 
-def _use_fused(config, head_dim, interpret, num_q_rows, segment_capacity) -> bool:
-  """Whether the backward runs the fused dK/dV/dQ kernel (``BwdTuningConfig.fused``; ``None``
-  picks it where it is faster and can run, ``True`` insists and errors where it cannot)."""
+def _fused_mode(config, head_dim, interpret, num_q_rows) -> str:
+  """How the backward picks the fused dK/dV/dQ kernel (``BwdTuningConfig.fused``): "never",
+  "always" (``True``: errors where it cannot run) or "run_time" (``None``, where it can run and a
+  long enough segment fits: both backward paths are compiled and
+  :meth:`BwdTuningConfig.fused_at_run_time` chooses per batch)."""
   if config.fused is None:
-    return (not interpret and config.use_fused(num_q_rows, segment_capacity)
-            and fused_lib.supports(config, head_dim)[0])
+    ok = (not interpret and config.may_fuse(num_q_rows)
+          and fused_lib.supports(config, head_dim)[0])
+    return "run_time" if ok else "never"
   if not config.fused:
-    return False
+    return "never"
   if interpret:
     raise ValueError("bwd_config.fused=True needs the GPU: the interpreter has no TMA "
                      "reduce-add; use fused=False with interpret=True")
   ok, why = fused_lib.supports(config, head_dim)
   if not ok:
     raise ValueError(f"bwd_config.fused=True: {why}")
-  return True
+  return "always"
 
 
 def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, seg_len,
@@ -187,22 +190,31 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   t_kv = tables_lib.build_task_table(seg_kv_start, seg_len, seg_q_start, seg_len, z, z, num_segs,
                                      tq=tkb, tk=tqb, block_q=128, block_kv=config.block_q_dkv,
                                      causal=causal, reverse=True, xp=jnp)
-  if _use_fused(config, d, interpret, tq, seg_q_start.shape[0]):
+
+  def fused():
     acc = jax.new_ref(jnp.zeros((tqb, hq, d), jnp.float32))
     dk, dv = fused_lib.fused_bwd_kernel_call(qb, kb, vb, dob, lse2, delta, acc, t_kv.table,
                                              t_kv.capacity, causal=causal, sm_scale=sm_scale,
                                              config=config)
     dq = (acc[...][:tq] * sm_scale).astype(q.dtype)
     return dq, dk[:tk], dv[:tk]
-  t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z, num_segs,
-                                     tq=tqb, tk=tkb, block_q=128, block_kv=config.block_kv_dq,
-                                     causal=causal, xp=jnp)
-  dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
-                              causal=causal, sm_scale=sm_scale, config=config, interpret=interpret)
-  dk, dv = bwd_lib.dkv_kernel_call(qb, kb, vb, dob, lse2, delta, t_kv.table, t_kv.capacity,
-                                   causal=causal, sm_scale=sm_scale, config=config,
-                                   interpret=interpret)
-  return dq[:tq], dk[:tk], dv[:tk]
+
+  def two_kernels():
+    t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z,
+                                       num_segs, tq=tqb, tk=tkb, block_q=128,
+                                       block_kv=config.block_kv_dq, causal=causal, xp=jnp)
+    dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
+                                causal=causal, sm_scale=sm_scale, config=config,
+                                interpret=interpret)
+    dk, dv = bwd_lib.dkv_kernel_call(qb, kb, vb, dob, lse2, delta, t_kv.table, t_kv.capacity,
+                                     causal=causal, sm_scale=sm_scale, config=config,
+                                     interpret=interpret)
+    return dq[:tq], dk[:tk], dv[:tk]
+
+  mode = _fused_mode(config, d, interpret, tq)
+  if mode == "run_time":
+    return jax.lax.cond(config.fused_at_run_time(seg_len, num_segs), fused, two_kernels)
+  return fused() if mode == "always" else two_kernels()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))

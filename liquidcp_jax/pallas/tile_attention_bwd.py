@@ -84,11 +84,15 @@ class BwdTuningConfig:
   ``fused=True``: compute dQ inside the dK/dV kernel (:mod:`tile_attention_bwd_fused`, 5 matmuls
   per tile pair instead of 7, dQ added with TMA reduce-adds into a float32 accumulator; GPU only,
   ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module).
-  ``fused=None`` (default) picks it by :meth:`use_fused`: on the H200 "pair" won on dense causal
-  32K (477 vs 452 TFLOP/s) but lost on dense 8K (400 vs 419) and on every packed 64K batch
-  (Pile-CC 290 vs 362, FreeLaw 355 vs 394, ArXiv 417 vs 423; RESULTS.md, fourth session). The
-  fifth session's device-side trace (run q) agrees at 32K (fwd+bwd 522 vs 506 TFLOP/s); a
-  round-robin wall-clock run (p) did not (450 vs 481): the 32K choice is within run-to-run spread.
+  ``fused=None`` (default) picks it per batch on the device (:meth:`fused_at_run_time`: mean
+  segment length >= ``fused_from_tokens_per_segment``; both paths are compiled into one
+  executable, where :meth:`may_fuse` says a long enough segment fits). History on the H200: with
+  the 2026-12-03 schedule "pair" won only on dense causal 32K (477 vs 452 TFLOP/s) and lost on
+  dense 8K and every packed 64K batch (fourth session), so the rule was 32K tokens per segment
+  slot. With ``fused_dq_early`` and ``fused_ds_stages=2`` (2026-12-04, run aa, device time,
+  fwd+bwd) it beat the two kernels on dense 8K (3.57 vs 3.71 ms) and ArXiv 64K (7 sequences, 54.15
+  vs 55.67 ms) but not on FreeLaw 64K (14 sequences, 4.7K tokens each: 31.13 vs 29.05), hence
+  8192.
 
   ``named_barriers``: the compute warpgroups hand SMEM ring slots back to the producer on
   hardware named barriers (:class:`sync.RingRelease`), and the fused kernel's two
@@ -100,7 +104,21 @@ class BwdTuningConfig:
   ArXiv 55.52 vs 55.96, Pile-CC 13.67 vs 13.92; run t: FreeLaw 128K 98.0 vs 101.9-102.1), but
   slowed the two kernels at dense 32K (465 vs 481 wall-clock; the fused kernel is the default
   there) and slowed the fused kernel (351 vs 393 at 8K, 409 vs 450 at 32K). ``True`` / ``False``
-  force them on / off for both. GPU only (interpret mode keeps the mbarriers)."""
+  force them on / off for both. GPU only (interpret mode keeps the mbarriers).
+
+  Fused kernel schedule (``fused_split="pair"`` only; see :mod:`tile_attention_bwd_fused`):
+  ``fused_dq_early``: issue the dQ wgmma before the dK one and stage dQ for its reduce-add while
+  the dK wgmma runs (FlashAttention-3's order), instead of after all three wgmmas finish;
+  ``fused_ds_stages``: 1 or 2 SMEM buffers for the shared dS^T tile. With 2, step c writes buffer
+  c % 2, so the per-step "dS^T free" hand-over between the two compute warpgroups goes away (16 KiB
+  more SMEM); on named barriers it stays, since there it is what keeps one warpgroup's next "ready"
+  signal out of the phase the other has not yet waited on. Both measured faster on the H200
+  (2026-12-04, run aa, fwd+bwd device time: dense 8K 3.57 vs 3.75 ms, ArXiv 64K 54.15 vs 55.87,
+  dense 32K 58.54 vs 60.85 in one round), so both are the default. Starting each task's walk over
+  its GQA group's q heads at head ``task % group`` (so that CTAs running at the same time
+  reduce-add into different dQ rows, as FlashAttention-3 shifts its query blocks) measured 12-16 %
+  slower (run ab) and was dropped: CTAs of neighbouring key tiles streaming the same Q / dO tiles
+  at the same time seem to matter more."""
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
@@ -108,8 +126,10 @@ class BwdTuningConfig:
   fused: bool | None = None
   fused_split: str = "pair"
   named_barriers: bool | None = None
-  # Mean segment-capacity length at and above which ``fused=None`` runs the fused kernel.
-  fused_from_tokens_per_segment: int = 32768
+  # Mean segment length at and above which ``fused=None`` runs the fused kernel.
+  fused_from_tokens_per_segment: int = 8192
+  fused_dq_early: bool = True
+  fused_ds_stages: int = 2
 
   def __post_init__(self):
     for name in ("block_kv_dq", "block_q_dkv"):
@@ -125,17 +145,30 @@ class BwdTuningConfig:
       raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
     if not (self.named_barriers is None or isinstance(self.named_barriers, bool)):
       raise ValueError(f"named_barriers must be None, True or False, got {self.named_barriers!r}")
+    if not isinstance(self.fused_dq_early, bool):
+      raise ValueError(f"fused_dq_early must be a bool, got {self.fused_dq_early!r}")
+    if self.fused_ds_stages not in (1, 2):
+      raise ValueError(f"fused_ds_stages must be 1 or 2, got {self.fused_ds_stages!r}")
     if self.fused_from_tokens_per_segment < 1:
       raise ValueError("fused_from_tokens_per_segment must be >= 1, got "
                        f"{self.fused_from_tokens_per_segment}")
 
-  def use_fused(self, num_q_rows: int, segment_capacity: int) -> bool:
-    """Whether ``fused=None`` picks the fused kernel for ``num_q_rows`` packed rows in
-    ``segment_capacity`` segment slots (before the GPU / head-dim checks): long segments give each
-    dK/dV task enough query tiles to amortize the dQ reduce-adds."""
+  def may_fuse(self, num_q_rows: int) -> bool:
+    """Static: whether the fused kernel is compiled in for ``num_q_rows`` packed rows (before the
+    GPU / head-dim checks): ``fused=True``, or ``None`` and a segment of
+    ``fused_from_tokens_per_segment`` tokens fits."""
     if self.fused is not None:
       return self.fused
-    return num_q_rows >= self.fused_from_tokens_per_segment * max(1, segment_capacity)
+    return num_q_rows >= self.fused_from_tokens_per_segment
+
+  def fused_at_run_time(self, seg_len, num_segs):
+    """``fused=None``: traced bool, whether this batch runs the fused kernel: its mean segment
+    length (over its ``num_segs`` segments; seg_len: int32 [S_cap]) is at least
+    ``fused_from_tokens_per_segment``. Long segments give each dK/dV task enough query tiles to
+    amortize the dQ reduce-adds. Decided on the device, so one executable serves every batch."""
+    live = jnp.arange(seg_len.shape[0]) < num_segs
+    total = jnp.sum(jnp.where(live, seg_len, 0).astype(jnp.float32))
+    return total >= jnp.float32(self.fused_from_tokens_per_segment) * jnp.maximum(num_segs, 1)
 
   def named_for(self, fused: bool) -> bool:
     """Whether the (``fused`` or two-kernel) backward uses named barriers on the GPU

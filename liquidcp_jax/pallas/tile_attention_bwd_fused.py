@@ -16,12 +16,15 @@ every q head of the group (64 queries per tile) and, per tile,
   the dQ buffer to stay inside SMEM).
 The accumulator is a ``jax.Ref`` (zeros) passed in; the wrapper scales it by ``sm_scale`` and casts.
 ``block_q_dkv=64`` (SMEM). The GPU interpreter has no TMA reduce-add, so this kernel runs on the
-GPU only; on CPU its lowering is checked (SMEM budget, layouts). Measured on the H200 (RESULTS.md,
-2026-12-03 fourth session) it is correct and faster than the two-kernel backward on dense causal
-32K (477 vs 452 TFLOP/s) but slower on dense 8K and on packed 64K batches, so the default
-``BwdTuningConfig(fused=None)`` runs it only from 32K tokens per segment slot (the fifth
-session's device-side trace agreed at 32K, a wall-clock round-robin did not: see BwdTuningConfig);
-``fused=True`` forces it.
+GPU only; on CPU its lowering is checked (SMEM budget, layouts).
+Per step, by default (``fused_dq_early``, ``fused_ds_stages=2``; FlashAttention-3's order), a
+warpgroup issues dV, waits for the other's half of dS^T, issues dQ then dK, and stages dQ_part
+and starts its reduce-add while the dK wgmma still runs; dS^T alternates between two SMEM buffers,
+so a warpgroup never waits for the other's previous dQ wgmma before writing its half. On the H200
+(RESULTS.md, 2026-12-04, runs aa / ab) this made the kernel 3-5 % faster than the 2026-12-03
+schedule and faster than the two-kernel backward on dense 8K / 32K and on ArXiv 64K (7 sequences)
+but not on FreeLaw 64K (4.7K tokens per sequence), so ``BwdTuningConfig(fused=None)`` picks it per
+batch on the device from the mean segment length; ``fused=True`` forces it.
 Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
 are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
 take the masked path for every tile.
@@ -64,7 +67,7 @@ def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int =
   bufs = ([al(2 * _ROWS * d * itemsize)] * 2              # K, V of the task (128 keys)
           + [al(mcs * bc * d * itemsize)] * 2             # Q, dO ring
           + [al(mcs * bc * 4)] * 2                        # lse, delta ring
-          + [al(2 * _ROWS * bc * itemsize)])              # dS^T of both warpgroups
+          + [al(config.fused_ds_stages * 2 * _ROWS * bc * itemsize)])  # dS^T, both warpgroups
   half = d // 2 if config.fused_split == "pair" else d
   odt_size = itemsize if config.fused_split == "pair" else 4
   # Per warpgroup, one RefUnion: the dQ_part staging buffers, then the dK / dV output staging.
@@ -77,7 +80,9 @@ class DsHandover:
 
   "ready": each warpgroup wrote its 64 keys of dS^T (both needed before either dQ wgmma);
   "free": each warpgroup's dQ wgmma, which reads both halves, is done (both needed before either
-  overwrites its half). mbarriers (two arrivals) by default; with ``named`` (GPU only) each is a
+  overwrites its half; not used with two dS^T buffers on mbarriers, where a warpgroup writing
+  buffer c % 2 at step c has passed "ready" of step c - 1, which the other signalled after its dQ
+  wgmma of step c - 2 completed). mbarriers (two arrivals) by default; with ``named`` (GPU only) each is a
   pair of hardware named barriers of the two compute warpgroups (256 threads), warpgroup ``w``
   waiting on its own (``bar.sync``) and signalling the other's (``bar.arrive``, no wait). A second
   signal of one warpgroup cannot land in the same phase: its next "ready" comes after its "free"
@@ -138,6 +143,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   bc, mcs = config.block_q_dkv, config.max_concurrent_steps
   pair = config.fused_split == "pair"
   half = d // 2 if pair else d  # dQ columns per warpgroup
+  ds_stages = config.fused_ds_stages if pair else 1
+  dq_early = config.fused_dq_early and pair
   scale2 = float(sm_scale) * bwd_lib._LOG2E
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
@@ -145,6 +152,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
     ds_ready, ds_free = ds_bars
     release = bwd_lib.ring_release(used, config, False, fused=True)
     named = config.named_for(True)
+    # Two dS^T buffers make the "free" hand-over redundant (see BwdTuningConfig) on mbarriers.
+    hand_free = pair and not (ds_stages == 2 and not named)
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = bwd_lib.reverse_task_scalars(tab)
 
     def compute(w):
@@ -164,7 +173,6 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       k_half = k_s.at[:, pl.ds(w * half, half)] if pair else k_w
       # This warpgroup's own staging (a RefUnion): dQ_part in the loop, then dK / dV.
       dq_s, out = stage[w]
-      ds_lhs = ds_s if pair else ds_s.at[my_rows]
       zero = plgpu.layout_cast(jnp.full((_ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       zero_q = plgpu.layout_cast(jnp.full((bc, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
       ds_handover = DsHandover(ds_ready, ds_free, w, named, mcs)
@@ -175,6 +183,8 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         slot = lax.rem(c, jnp.int32(mcs))
         qh = kvh * group + g
         q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
+        ds_buf = ds_s.at[lax.rem(c, jnp.int32(ds_stages))]
+        ds_lhs = ds_buf if pair else ds_buf.at[my_rows]
 
         def probs_t(st):
           st = st * scale2
@@ -195,18 +205,40 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.barrier_wait(dl_bar)
         dl = plgpu.load(dl_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds = (pt * (dpt - lax.broadcast_in_dim(dl, dpt.shape, [1]))).astype(dtype)
-        if pair:
-          # ds_s is read by both warpgroups' previous dQ wgmma: wait until both are done.
+        if hand_free:
+          # ds_buf is read by both warpgroups' previous dQ wgmma: wait until both are done.
           pl.when(c > 0)(lambda: ds_handover.wait_free())
 
-        ds_s.at[my_rows][...] = ds
+        ds_buf.at[my_rows][...] = ds
         plgpu.commit_smem()
         if pair:
           ds_handover.signal_ready()
 
+        def reduce_add_dq(dq):
+          # The previous reduce-add must have read dq_s before it is overwritten. (Two staging
+          # buffers, letting one reduce-add stay in flight, measured no faster on the H200.)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          dq_s[...] = dq
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              dq_s, acc_ref.at[pl.ds(col_base + j * bc, bc), qh,
+                               pl.ds(w * half, half) if pair else slice(None)],
+              reduction_op="add")
+
         def mms(refs):
           rv, rk, rq = refs
           plgpu.wgmma(rv, pt.astype(dtype), do_s.at[slot])
+          if dq_early:
+            # dQ before dK; once dV and dQ are done (one wgmma group left: dK), dS^T is free
+            # and dQ is staged and reduce-added while the dK wgmma runs.
+            ds_handover.wait_ready()
+            plgpu.wgmma(rq, ds_lhs.transpose((1, 0)), k_half)
+            plgpu.wgmma(rk, ds, q_s.at[slot])
+            dq = plgpu.wgmma_accumulator_load(rq, wait_n=1)
+            if hand_free:
+              ds_handover.signal_free(is_last=c + 1 == group * nt)
+            reduce_add_dq(dq)
+            return
           plgpu.wgmma(rk, ds, q_s.at[slot])
           if pair:
             ds_handover.wait_ready()
@@ -215,17 +247,10 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         dv, dk, dq = pl.run_state(mms)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero_q)))
         release.arrive(slot)
-        if pair:
-          ds_handover.signal_free(is_last=c + 1 == group * nt)
-        # The previous reduce-add must have read dq_s before it is overwritten. (Two staging
-        # buffers, letting one reduce-add stay in flight, measured no faster on the H200.)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        dq_s[...] = dq
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            dq_s, acc_ref.at[pl.ds(col_base + j * bc, bc), qh,
-                             pl.ds(w * half, half) if pair else slice(None)],
-            reduction_op="add")
+        if not dq_early:
+          if hand_free:
+            ds_handover.signal_free(is_last=c + 1 == group * nt)
+          reduce_add_dq(dq)
         return dk, dv
 
       def head_body(g, carry):
@@ -260,7 +285,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.SMEM((mcs, bc, d), dtype, transforms=_TF()),
         plgpu.SMEM((mcs, bc), jnp.float32),
         plgpu.SMEM((mcs, bc), jnp.float32),
-        plgpu.SMEM((2 * _ROWS, bc), dtype, transforms=_TF()),
+        plgpu.SMEM((ds_stages, 2 * _ROWS, bc), dtype, transforms=_TF()),
     ] + [plgpu.RefUnion(plgpu.SMEM((bc, half), jnp.float32),
                         plgpu.SMEM((_ROWS, d), dtype if pair else jnp.float32))
          for _ in range(2)]
