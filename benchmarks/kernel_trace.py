@@ -122,8 +122,9 @@ VARIANTS = {
     "mcs4": ("bwd", {"max_concurrent_steps": 4}),
     "mcs3_named": ("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
     "dq128": ("bwd", {"block_kv_dq": 128}),
-    "fused_dqearly": ("bwd", {"fused": True, "fused_dq_early": True}),
-    "fused_ds2": ("bwd", {"fused": True, "fused_ds_stages": 2}),
+    # The fused kernel's schedule options one at a time (the default has both).
+    "fused_dqearly": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 1}),
+    "fused_ds2": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 2}),
     "fused_dqearly_ds2": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 2}),
 }
 DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"

@@ -392,8 +392,8 @@ def one_step_configs(plan: MegaRingPlan):
     slots = int(plan.segments[0].shape[1])
     fwd = pallas_api.TuningConfig()
     bwd = bwd_lib.BwdTuningConfig()
-    # fused=None (not True) where the rule picks it: the API still falls back to the two kernels
-    # where the fused one cannot run (head_dim 64, interpret mode).
+    # bwd: the default fused=None (per batch on the device; the two kernels where the fused one
+    # cannot run: head_dim 64, interpret mode).
     return dataclasses.replace(fwd, persistent=fwd.use_persistent(rows, slots)), bwd
 
 

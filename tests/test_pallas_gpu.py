@@ -129,9 +129,11 @@ _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=
                 dict(fused=False, max_concurrent_steps=4),
                 dict(fused=False, named_barriers=True, max_concurrent_steps=3),
                 dict(fused=False, named_barriers=False),
-                dict(fused=True, fused_dq_early=True),
-                dict(fused=True, fused_ds_stages=2),
-                dict(fused=True, fused_dq_early=True, fused_ds_stages=2),
+                # The fused kernel's schedules other than the default (dQ early, two dS^T
+                # buffers): the 2026-12-03 one, and each option alone.
+                dict(fused=True, fused_dq_early=False, fused_ds_stages=1),
+                dict(fused=True, fused_dq_early=True, fused_ds_stages=1),
+                dict(fused=True, fused_dq_early=False, fused_ds_stages=2),
                 dict(fused=True, fused_dq_early=True, fused_ds_stages=2, named_barriers=True)]
 
 
@@ -139,8 +141,8 @@ _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=
 @pytest.mark.parametrize("cfg", _BWD_CONFIGS,
                          ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused",
                               "fused-mcs3", "named", "fused-named", "fused-named-mcs3", "mcs4",
-                              "named-mcs3", "mbarrier", "fused-dqearly", "fused-ds2",
-                              "fused-dqearly-ds2", "fused-dqearly-ds2-named"])
+                              "named-mcs3", "mbarrier", "fused-v1", "fused-dqearly-ds1",
+                              "fused-ds2-only", "fused-dqearly-ds2-named"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])
@@ -168,7 +170,7 @@ def _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, *, causal, s
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mode,d", [("pair", 128), ("wg", 128), ("wg", 64), ("off", 128),
-                                    ("pair-named", 128), ("pair-early-ds2", 128)])
+                                    ("pair-named", 128), ("pair-v1", 128)])
 def test_fused_backward_gqa_packed(causal, mode, d):
   """Fused dK/dV/dQ kernel (both dQ splits) and the two-kernel path vs float64: GQA 4, segments
   sharing 128-row blocks (their keys must not leak into each other's dQ), lengths that are not
@@ -181,8 +183,8 @@ def test_fused_backward_gqa_packed(causal, mode, d):
       q, k, v, qs, ks, ln, n)
   config = {"off": bwd_ref.BwdTuningConfig(fused=False),
             "pair-named": bwd_ref.BwdTuningConfig(fused=True, named_barriers=True),
-            "pair-early-ds2": bwd_ref.BwdTuningConfig(fused=True, fused_dq_early=True,
-                                                      fused_ds_stages=2),
+            "pair-v1": bwd_ref.BwdTuningConfig(fused=True, fused_dq_early=False,
+                                               fused_ds_stages=1),
             }.get(mode) or bwd_ref.BwdTuningConfig(fused=True, fused_split=mode)
   _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, causal=causal, scale=scale)
 

@@ -424,3 +424,54 @@ def test_fused_schedule_options_validated():
     bwd.BwdTuningConfig(fused_ds_stages=3)
   with pytest.raises(ValueError, match="fused_dq_early"):
     bwd.BwdTuningConfig(fused_dq_early=1)
+
+
+def test_run_time_fused_choice_takes_the_right_branch(monkeypatch):
+  """The fused=None plumbing on CPU: with the fused kernel replaced by a stand-in that writes
+  sentinels (the real one has no interpreter), one jitted backward (one executable) runs the
+  stand-in for a batch whose mean segment length reaches the threshold, and the interpret-mode two
+  kernels (matching float64) for a batch below it; the choice ignores stale lengths beyond
+  num_segs."""
+  import jax
+  # Running an interpret-mode kernel imports jax's Pallas fuser, which adds a config to jax's
+  # tracing context, so the first call after it would re-trace once for a reason unrelated to the
+  # batch; importing it first keeps the count below about the batches.
+  import jax.experimental.pallas.fuser  # noqa: F401
+  from liquidcp_jax.pallas import tile_attention_bwd as bwd
+  from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
+
+  def stand_in(qb, kb, vb, dob, lse2, delta, acc, table, n_tasks, *, causal, sm_scale, config):
+    acc[...] = acc[...] + 1.0
+    return jnp.full(kb.shape, 2.0, kb.dtype), jnp.full(vb.shape, 3.0, vb.dtype)
+
+  monkeypatch.setattr(fused_lib, "fused_bwd_kernel_call", stand_in)
+  monkeypatch.setattr(api, "_fused_mode", lambda *a: "run_time")
+  cfg = bwd.BwdTuningConfig(fused_from_tokens_per_segment=100)
+  rng = np.random.default_rng(5)
+  t, hq, hkv, d, scale = 256, 2, 1, 64, 0.125
+
+  @jax.jit
+  def grads(q, k, v, do, qs, ln, n):
+    out, lse = api.varlen_attention(q, k, v, qs, qs, ln, n, causal=True, sm_scale=scale,
+                                    interpret=True)
+    return api.pallas_segment_attention_bwd(q, k, v, out, lse, do, qs, qs, ln, n, causal=True,
+                                            sm_scale=scale, config=cfg, interpret=True)
+
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
+  q, k, v, do = mk(t, hq, d), mk(t, hkv, d), mk(t, hkv, d), mk(t, hq, d)
+  # One 200-token segment: mean 200 >= 100, the stand-in's sentinels.
+  qs, ln = np.array([0, 0, 0], np.int32), np.array([200, 250, 250], np.int32)
+  dq, dk, dv = (np.asarray(x, np.float64) for x in grads(q, k, v, do, qs, ln, 1))
+  np.testing.assert_array_equal(dq, scale)
+  np.testing.assert_array_equal(dk, 2.0)
+  np.testing.assert_array_equal(dv, 3.0)
+  # Three 60-token segments (stale 250 beyond num_segs): mean 60, the two kernels.
+  qs, ln = np.array([0, 60, 120], np.int32), np.array([60, 60, 60], np.int32)
+  got = grads(q, k, v, do, qs, ln, 3)
+  z = np.zeros(3, np.int32)
+  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, 3, causal=True,
+                                     sm_scale=scale)
+  for name, a, b in zip(("dq", "dk", "dv"), got, refs):
+    a = np.asarray(a, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-3, name
+  assert grads._cache_size() == 1

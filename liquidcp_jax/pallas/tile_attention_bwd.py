@@ -86,7 +86,11 @@ class BwdTuningConfig:
   ``block_q_dkv=64``), with ``fused_split`` "pair" (head_dim 128) or "wg" (see that module).
   ``fused=None`` (default) picks it per batch on the device (:meth:`fused_at_run_time`: mean
   segment length >= ``fused_from_tokens_per_segment``; both paths are compiled into one
-  executable, where :meth:`may_fuse` says a long enough segment fits). History on the H200: with
+  executable, where :meth:`may_fuse` says a long enough segment fits). The price: XLA's GPU
+  conditional reads its predicate back to the host, a stream sync per backward call, measured as
+  ~9-10 us of device idle time per fwd+bwd call on the H200 (span minus kernel time 11-13 us vs
+  2-3 us with a static choice, run ab); ``fused=True`` / ``False`` choose statically, with no sync.
+  History on the H200: with
   the 2026-12-03 schedule "pair" won only on dense causal 32K (477 vs 452 TFLOP/s) and lost on
   dense 8K and every packed 64K batch (fourth session), so the rule was 32K tokens per segment
   slot. With ``fused_dq_early`` and ``fused_ds_stages=2`` (2026-12-04, run aa, device time,

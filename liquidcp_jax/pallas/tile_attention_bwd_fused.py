@@ -20,11 +20,12 @@ GPU only; on CPU its lowering is checked (SMEM budget, layouts).
 Per step, by default (``fused_dq_early``, ``fused_ds_stages=2``; FlashAttention-3's order), a
 warpgroup issues dV, waits for the other's half of dS^T, issues dQ then dK, and stages dQ_part
 and starts its reduce-add while the dK wgmma still runs; dS^T alternates between two SMEM buffers,
-so a warpgroup never waits for the other's previous dQ wgmma before writing its half. On the H200
+so (on the default mbarrier hand-overs) a warpgroup never waits for the other's previous dQ wgmma
+before writing its half. On the H200
 (RESULTS.md, 2026-12-04, runs aa / ab) this made the kernel 3-5 % faster than the 2026-12-03
 schedule and faster than the two-kernel backward on dense 8K / 32K and on ArXiv 64K (7 sequences)
 but not on FreeLaw 64K (4.7K tokens per sequence), so ``BwdTuningConfig(fused=None)`` picks it per
-batch on the device from the mean segment length; ``fused=True`` forces it.
+batch on the device from the mean segment length; ``fused=True`` / ``False`` decide statically.
 Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
 are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
 take the masked path for every tile.
@@ -60,6 +61,11 @@ def supports(config: "bwd_lib.BwdTuningConfig", head_dim: int) -> tuple[bool, st
   return True, ""
 
 
+def ds_stages(config: "bwd_lib.BwdTuningConfig") -> int:
+  """dS^T SMEM buffers the kernel allocates (``fused_split="wg"`` keeps one)."""
+  return config.fused_ds_stages if config.fused_split == "pair" else 1
+
+
 def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int = 2) -> int:
   """Upper estimate of the fused kernel's SMEM, barriers included."""
   mcs, d, bc = config.max_concurrent_steps, head_dim, config.block_q_dkv
@@ -67,7 +73,7 @@ def smem_bytes(config: "bwd_lib.BwdTuningConfig", head_dim: int, itemsize: int =
   bufs = ([al(2 * _ROWS * d * itemsize)] * 2              # K, V of the task (128 keys)
           + [al(mcs * bc * d * itemsize)] * 2             # Q, dO ring
           + [al(mcs * bc * 4)] * 2                        # lse, delta ring
-          + [al(config.fused_ds_stages * 2 * _ROWS * bc * itemsize)])  # dS^T, both warpgroups
+          + [al(ds_stages(config) * 2 * _ROWS * bc * itemsize)])  # dS^T, both warpgroups
   half = d // 2 if config.fused_split == "pair" else d
   odt_size = itemsize if config.fused_split == "pair" else 4
   # Per warpgroup, one RefUnion: the dQ_part staging buffers, then the dK / dV output staging.
@@ -143,7 +149,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   bc, mcs = config.block_q_dkv, config.max_concurrent_steps
   pair = config.fused_split == "pair"
   half = d // 2 if pair else d  # dQ columns per warpgroup
-  ds_stages = config.fused_ds_stages if pair else 1
+  n_ds = ds_stages(config)
   dq_early = config.fused_dq_early and pair
   scale2 = float(sm_scale) * bwd_lib._LOG2E
 
@@ -153,7 +159,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
     release = bwd_lib.ring_release(used, config, False, fused=True)
     named = config.named_for(True)
     # Two dS^T buffers make the "free" hand-over redundant (see BwdTuningConfig) on mbarriers.
-    hand_free = pair and not (ds_stages == 2 and not named)
+    hand_free = pair and not (n_ds == 2 and not named)
     kvh, wg, get, t_lo, n_tiles, nt, row_base, col_base = bwd_lib.reverse_task_scalars(tab)
 
     def compute(w):
@@ -183,7 +189,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         slot = lax.rem(c, jnp.int32(mcs))
         qh = kvh * group + g
         q_bar, do_bar, lse_bar, dl_bar = (b.at[slot] for b in bars)
-        ds_buf = ds_s.at[lax.rem(c, jnp.int32(ds_stages))]
+        ds_buf = ds_s.at[lax.rem(c, jnp.int32(n_ds))]
         ds_lhs = ds_buf if pair else ds_buf.at[my_rows]
 
         def probs_t(st):
@@ -285,7 +291,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         plgpu.SMEM((mcs, bc, d), dtype, transforms=_TF()),
         plgpu.SMEM((mcs, bc), jnp.float32),
         plgpu.SMEM((mcs, bc), jnp.float32),
-        plgpu.SMEM((ds_stages, 2 * _ROWS, bc), dtype, transforms=_TF()),
+        plgpu.SMEM((n_ds, 2 * _ROWS, bc), dtype, transforms=_TF()),
     ] + [plgpu.RefUnion(plgpu.SMEM((bc, half), jnp.float32),
                         plgpu.SMEM((_ROWS, d), dtype if pair else jnp.float32))
          for _ in range(2)]
