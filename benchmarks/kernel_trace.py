@@ -11,7 +11,7 @@ with the host syncs between calls taken out, see ``call_spans_ns``). The kernel 
 what our task-table builds and LSE gather cost next to the attention kernel itself.
 
   python3 benchmarks/kernel_trace.py [--dense 8K,32K] [--packed pilecc,freelaw --tokens 64K]
-                                     [--reps 10] [--bwd] [--variants [NAMES]] [--rounds 1]
+                                     [--uniform 4K,6K,8K --tokens 64K] [--reps 10] [--bwd] [--variants [NAMES]] [--rounds 1]
                                      [--out benchmarks/results/kernel_trace.json]
 
 Prints a table and writes JSON (including the plane and line names seen, so a trace format this
@@ -212,9 +212,20 @@ def trace_rounds(impls, run, rounds, label=""):
   return per_round, errors
 
 
+def uniform_lengths(tokens, length):
+  """``tokens`` packed as sequences of ``length`` (the remainder, if any, as one shorter last
+  sequence): int64 [ceil(tokens / length)]. For scanning where the fused backward starts to win
+  (``BwdTuningConfig.fused_from_tokens_per_segment``)."""
+  if not 0 < length <= tokens:
+    raise ValueError(f"--uniform: a length must be in [1, {tokens}] (the token count), got {length}")
+  n, rest = divmod(tokens, length)
+  return np.array([length] * n + ([rest] if rest else []), np.int64)
+
+
 def cases(a):
-  """[(label, lengths, baselines)]: dense S (cuDNN, tokamax where it imports) and packed batches
-  (``workloads.sample_batch(dataset, tokens, 0)``, as kernels.py; cuDNN's packed layout)."""
+  """[(label, lengths, baselines)]: dense S (cuDNN, tokamax where it imports), packed batches
+  (``workloads.sample_batch(dataset, tokens, 0)``, as kernels.py) and uniform-length batches
+  (:func:`uniform_lengths`), both with cuDNN's packed layout."""
   import kernels
   from liquidcp_jax import workloads
   scale = 1.0 / np.sqrt(D)
@@ -228,6 +239,11 @@ def cases(a):
     for ds in a.packed.split(","):
       lens = workloads.sample_batch(ds, t, 0).astype(np.int64)
       out.append((f"{ds} {t // 1024}K", lens, {"cudnn_packed": kernels.cudnn_packed(lens, scale)}))
+  for t in (workloads.parse_tokens(x) for x in a.tokens.split(",") if a.uniform and x):
+    for ln in (workloads.parse_tokens(x) for x in a.uniform.split(",") if x):
+      lens = uniform_lengths(t, ln)
+      out.append((f"u{ln}x{len(lens)} {t // 1024}K", lens,
+                  {"cudnn_packed": kernels.cudnn_packed(lens, scale)}))
   return out
 
 
@@ -236,6 +252,8 @@ def main():
   ap.add_argument("--dense", default="8K,32K", help="dense causal lengths ('' for none)")
   ap.add_argument("--packed", default="", help="datasets of packed batches, e.g. pilecc,freelaw")
   ap.add_argument("--tokens", default="64K", help="token counts of the packed batches")
+  ap.add_argument("--uniform", default="",
+                  help="sequence lengths of uniform packed batches of --tokens tokens, e.g. 4K,6K")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--bwd", action="store_true", help="also trace forward+backward")
   ap.add_argument("--variants", nargs="?", const=DEFAULT_VARIANTS, default="",

@@ -4,6 +4,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -128,3 +129,11 @@ def test_trace_rounds_round_robin_and_errors():
   assert calls == ["a", "b", "c", "a", "b", "c", "a", "c"]
   assert len(per_round["a"]) == len(per_round["c"]) == 3
   assert errors == {"b": {"error": "RuntimeError: out of memory", "round": 1, "rounds_done": 1}}
+
+
+def test_uniform_lengths():
+  np.testing.assert_array_equal(kernel_trace.uniform_lengths(65536, 8192), [8192] * 8)
+  np.testing.assert_array_equal(kernel_trace.uniform_lengths(65536, 6000),
+                                [6000] * 10 + [5536])
+  with pytest.raises(ValueError, match="--uniform"):
+    kernel_trace.uniform_lengths(4096, 8192)
