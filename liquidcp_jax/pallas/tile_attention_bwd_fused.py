@@ -22,7 +22,7 @@ warpgroup issues dV, waits for the other's half of dS^T, issues dQ then dK, and 
 and starts its reduce-add while the dK wgmma still runs; dS^T alternates between two SMEM buffers,
 so (on the default mbarrier hand-overs) a warpgroup never waits for the other's previous dQ wgmma
 before writing its half. On the H200
-(RESULTS.md, 2026-12-04, runs aa / ab) this made the kernel 3-5 % faster than the 2026-12-03
+(RESULTS.md, 2026-12-04, runs aa / ab) this made the kernel 1.7-4.6 % faster than the 2026-12-03
 schedule and faster than the two-kernel backward on dense 8K / 32K and on ArXiv 64K (7 sequences)
 but not on FreeLaw 64K (4.7K tokens per sequence), so ``BwdTuningConfig(fused=None)`` picks it per
 batch on the device from the mean segment length; ``fused=True`` / ``False`` decide statically.
