@@ -126,6 +126,16 @@ VARIANTS = {
     "fused_dqearly": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 1}),
     "fused_ds2": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 2}),
     "fused_dqearly_ds2": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 2}),
+    # Tasks with keys of a neighbouring segment: every tile masked (before 2026-12-04, third
+    # session) instead of the per-row bias on their full tiles.
+    "fused_no_row_bias": ("bwd", {"fused": True, "fused_row_bias": False}),
+    # Backward task tables launched segment by segment (the default since 2026-12-04, run ag;
+    # fused_seg / two_kernel_seg now equal fused / two_kernel) or heaviest task first over the
+    # whole table (the order before).
+    "fused_seg": ("bwd", {"fused": True, "task_order": "segment"}),
+    "two_kernel_seg": ("bwd", {"fused": False, "task_order": "segment"}),
+    "fused_work": ("bwd", {"fused": True, "task_order": "work"}),
+    "two_kernel_work": ("bwd", {"fused": False, "task_order": "work"}),
 }
 DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"
 

@@ -134,7 +134,9 @@ _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=
                 dict(fused=True, fused_dq_early=False, fused_ds_stages=1),
                 dict(fused=True, fused_dq_early=True, fused_ds_stages=1),
                 dict(fused=True, fused_dq_early=False, fused_ds_stages=2),
-                dict(fused=True, fused_dq_early=True, fused_ds_stages=2, named_barriers=True)]
+                dict(fused=True, fused_dq_early=True, fused_ds_stages=2, named_barriers=True),
+                dict(fused=True, fused_row_bias=False),
+                dict(fused=True, task_order="work"), dict(fused=False, task_order="work")]
 
 
 @pytest.mark.parametrize("case,causal", [(0, True), (2, False)])
@@ -142,7 +144,8 @@ _BWD_CONFIGS = [dict(overlap=True, fused=False), dict(overlap=True, block_kv_dq=
                          ids=["overlap", "overlap-b128", "nooverlap-b128", "overlap-mcs3", "fused",
                               "fused-mcs3", "named", "fused-named", "fused-named-mcs3", "mcs4",
                               "named-mcs3", "mbarrier", "fused-v1", "fused-dqearly-ds1",
-                              "fused-ds2-only", "fused-dqearly-ds2-named"])
+                              "fused-ds2-only", "fused-dqearly-ds2-named", "fused-no-row-bias",
+                              "fused-work-order", "work-order"])
 def test_backward_configs_match_float64(cfg, case, causal):
   """Every BwdTuningConfig the benchmark's --variants mode times, on the GPU kernels."""
   q, k, v, qs, ks, ln, n = _inputs(31 + case, *CASES[case])
@@ -170,7 +173,8 @@ def _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, *, causal, s
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mode,d", [("pair", 128), ("wg", 128), ("wg", 64), ("off", 128),
-                                    ("pair-named", 128), ("pair-v1", 128)])
+                                    ("pair-named", 128), ("pair-v1", 128),
+                                    ("pair-no-row-bias", 128), ("pair-work-order", 128)])
 def test_fused_backward_gqa_packed(causal, mode, d):
   """Fused dK/dV/dQ kernel (both dQ splits) and the two-kernel path vs float64: GQA 4, segments
   sharing 128-row blocks (their keys must not leak into each other's dQ), lengths that are not
@@ -185,6 +189,8 @@ def test_fused_backward_gqa_packed(causal, mode, d):
             "pair-named": bwd_ref.BwdTuningConfig(fused=True, named_barriers=True),
             "pair-v1": bwd_ref.BwdTuningConfig(fused=True, fused_dq_early=False,
                                                fused_ds_stages=1),
+            "pair-no-row-bias": bwd_ref.BwdTuningConfig(fused=True, fused_row_bias=False),
+            "pair-work-order": bwd_ref.BwdTuningConfig(fused=True, task_order="work"),
             }.get(mode) or bwd_ref.BwdTuningConfig(fused=True, fused_split=mode)
   _check_pallas_bwd(config, q, k, v, out, lse, do, qs, ks, ln, n, causal=causal, scale=scale)
 

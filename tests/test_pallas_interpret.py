@@ -161,12 +161,13 @@ _BWD_CONFIGS = [
     (True, dict(overlap=True, block_kv_dq=128, block_q_dkv=128, max_concurrent_steps=3)),
     (False, dict(overlap=False, block_kv_dq=128, block_q_dkv=128)),
     (True, dict(overlap=True, named_barriers=True)),  # interpret mode keeps the mbarriers
+    (True, dict(overlap=True, task_order="work")),  # the order before 2026-12-04, run af
 ]
 
 
 @pytest.mark.parametrize("causal,cfg", _BWD_CONFIGS,
                          ids=["overlap", "overlap-b128-mcs3", "nooverlap-b128-full",
-                              "named-fallback"])
+                              "named-fallback", "work-order"])
 def test_interpret_backward_configs(causal, cfg):
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   rng = np.random.default_rng(17 + len(cfg))
@@ -424,6 +425,10 @@ def test_fused_schedule_options_validated():
     bwd.BwdTuningConfig(fused_ds_stages=3)
   with pytest.raises(ValueError, match="fused_dq_early"):
     bwd.BwdTuningConfig(fused_dq_early=1)
+  with pytest.raises(ValueError, match="fused_row_bias"):
+    bwd.BwdTuningConfig(fused_row_bias=None)
+  with pytest.raises(ValueError, match="task_order"):
+    bwd.BwdTuningConfig(task_order="lpt")
 
 
 def test_run_time_fused_choice_takes_the_right_branch(monkeypatch):

@@ -52,6 +52,41 @@ def test_reverse_table_is_the_transpose(causal):
     assert (tab[:, T.F["t_lo"]] <= np.maximum(tab[:, T.F["full_lo"]], tab[:, T.F["t_lo"]])).all()
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_segment_launch_order(reverse):
+  """launch_order="segment": the same tasks as "work" (every pair still covered once), grouped by
+  segment with the longest segment first, heaviest task first inside one, workless tasks last;
+  the jnp builder agrees."""
+  rng = np.random.default_rng(41 + reverse)
+  for _ in range(6):
+    args, n, tq, tk = _case(rng, True)
+    if reverse:
+      (qs, ql, ks, kl, qp, kp) = args
+      args, tq, tk = [ks, kl, qs, ql, kp, qp], -(-tk // 8) * 8, -(-tq // 64) * 64
+    kw = dict(tq=tq, tk=tk, block_q=128, block_kv=64, causal=True, reverse=reverse)
+    a = T.build_task_table(*args, n, **kw)
+    b = T.build_task_table(*args, n, launch_order="segment", **kw)
+    np.testing.assert_array_equal(T.table_visibility(a, tq, tk), T.table_visibility(b, tq, tk))
+    c = T.build_task_table(*[jnp.asarray(x) for x in args], jnp.int32(n), launch_order="segment",
+                           xp=jnp, **kw)
+    np.testing.assert_array_equal(np.asarray(c.table), b.table)
+    np.testing.assert_array_equal(np.asarray(c.row_task), b.row_task)
+    tab = b.table
+    work = tab[:, T.F["n_tiles"]] - tab[:, T.F["t_lo"]]
+    live = np.flatnonzero(work > 0)
+    assert (live == np.arange(live.size)).all()  # workless tasks last
+    # Segment of each live task: its first stored row's segment (segments do not overlap in q).
+    first = tab[live, T.F["q_base"]] + tab[live, T.F["q_lo"]]
+    qs, ql = np.asarray(args[0][:n]), np.asarray(args[1][:n])
+    seg = np.array([np.flatnonzero((qs <= r) & (r < qs + ql))[0] for r in first])
+    change = np.flatnonzero(np.diff(seg)) + 1
+    runs = np.split(seg, change)
+    assert len({int(r[0]) for r in runs}) == len(runs)  # each segment one contiguous run
+    assert (np.diff([ql[r[0]] for r in runs]) <= 0).all()  # longest segment first
+    for w in np.split(work[live], change):
+      assert (np.diff(w) <= 0).all()  # heaviest first inside a segment
+
+
 def test_jnp_builder_matches_numpy_and_rows_owned_once():
   rng = np.random.default_rng(7)
   for causal in (False, True):
@@ -89,6 +124,13 @@ def test_dense_causal_tiles_are_minimal():
     d = dict(zip(T.FIELDS, row))
     i = d["q_base"] // 128
     assert (d["n_tiles"], d["full_lo"], d["full_hi"]) == (i + 1, 0, i)
+
+
+def test_bad_launch_order_raises():
+  z = np.zeros(1, np.int32)
+  with pytest.raises(ValueError, match="launch_order"):
+    T.build_task_table(z, z + 1, z, z + 1, z, z, 1, tq=128, tk=128, block_q=128, block_kv=64,
+                       causal=True, launch_order="lpt")
 
 
 def test_bad_shapes_raise():

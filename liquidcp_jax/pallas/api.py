@@ -189,7 +189,8 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   z = jnp.zeros_like(seg_len)
   t_kv = tables_lib.build_task_table(seg_kv_start, seg_len, seg_q_start, seg_len, z, z, num_segs,
                                      tq=tkb, tk=tqb, block_q=128, block_kv=config.block_q_dkv,
-                                     causal=causal, reverse=True, xp=jnp)
+                                     causal=causal, reverse=True, launch_order=config.task_order,
+                                     xp=jnp)
 
   def fused():
     acc = jax.new_ref(jnp.zeros((tqb, hq, d), jnp.float32))
@@ -202,7 +203,8 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   def two_kernels():
     t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z,
                                        num_segs, tq=tqb, tk=tkb, block_q=128,
-                                       block_kv=config.block_kv_dq, causal=causal, xp=jnp)
+                                       block_kv=config.block_kv_dq, causal=causal,
+                                       launch_order=config.task_order, xp=jnp)
     dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
                                 causal=causal, sm_scale=sm_scale, config=config,
                                 interpret=interpret)

@@ -26,7 +26,8 @@ FIELDS = (
     "n_tiles",
     "full_lo",  # tiles [full_lo, full_hi) need no mask ("full"); the rest are "masked"
     "full_hi",  # (causal diagonal or segment boundary): 0 <= full_lo <= full_hi <= n_tiles
-    "lse_slot", # LSE of tile row r goes to lse_pad[head, lse_slot * block_q + r]
+    "lse_slot", # the task's index in row order (before the launch permutation); kernels write a
+                # task's LSE at its launch index, which ``row_task`` maps rows to
 )
 NUM_FIELDS = len(FIELDS)
 ROW_ALIGN = 8  # q_base / kv_base are multiples of this (TMA into (8, 64)-tiled SMEM needs it)
@@ -38,7 +39,8 @@ class TaskTable:
   """A fixed-capacity task table for one (q, k) buffer pair.
 
   ``table``: int32 ``[capacity, NUM_FIELDS]`` (NumPy or a device array), one row per task, in
-  launch order (heaviest first). Task ``t`` is one Q tile of ``block_q`` rows starting at
+  launch order (heaviest first, over the table or per segment: ``build_task_table``'s
+  ``launch_order``). Task ``t`` is one Q tile of ``block_q`` rows starting at
   ``q_base`` against the ordered KV tiles ``j = 0 .. n_tiles-1`` of ``block_kv`` rows starting at
   ``kv_base + j*block_kv`` (``j`` from ``t_lo``, which is 0 unless ``reverse``); tile ``j`` is *full* (no mask) iff ``full_lo <= j < full_hi``, else
   *masked*: key ``kk = j*block_kv + c`` is visible to tile row ``r`` iff ``kv_lo <= kk < kv_hi``
@@ -76,7 +78,7 @@ def _cdiv(a, b):
 
 
 def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs, *, tq, tk,
-                     block_q, block_kv, causal, reverse=False, xp=np):
+                     block_q, block_kv, causal, reverse=False, launch_order="work", xp=np):
   """Builds a :class:`TaskTable` from per-segment int32 arrays ``[S_cap]``.
 
   Works with ``xp=numpy`` (host, in the data loader) or ``xp=jax.numpy`` (traced, inside jit: one
@@ -84,7 +86,14 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   (the API pads). Segments must not overlap in q (the API checks this on host inputs).
   ``reverse=True`` builds the transposed table for dK/dV: pass the key segments as ``q_*`` and
   the query segments as ``kv_*``; a column (query) is visible iff its position >= the row's.
+  ``launch_order``: the order of the table's rows. ``"work"``: heaviest task first over the whole table (longest-
+  processing-time first). ``"segment"``: segment by segment, longest segment first, heaviest task
+  first inside a segment; CTAs running at the same time then work on one sequence and stream the
+  same Q / dO (or K / V) tiles, as on a dense batch, while the lightest tasks still come last.
+  Tasks with no work (gaps, unused capacity) come last in both.
   """
+  if launch_order not in ("work", "segment"):
+    raise ValueError(f"launch_order must be 'work' or 'segment', got {launch_order!r}")
   if tq < block_q:
     raise ValueError(f"tq={tq} must be >= block_q={block_q} (pad q)")
   if tq % ROW_ALIGN:
@@ -161,9 +170,15 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   n_tiles = _cdiv(end, block_kv)
   full_lo = xp.clip(f_lo, t_lo, xp.maximum(n_tiles, t_lo))
   full_hi = xp.clip(f_hi, full_lo, xp.maximum(n_tiles, full_lo))
-  # Launch order: heaviest tasks first (causal tiles vary in length), so the tail is short.
+  # Launch order: heaviest tasks first (causal tiles vary in length), so the tail is short;
+  # "segment" keeps that order inside each segment but runs one segment's tasks together.
   work = n_tiles - t_lo
-  launch = xp.argsort(-work, stable=True) if xp is not np else np.argsort(-work, kind="stable")
+  launch = _stable_argsort(xp, -work)
+  if launch_order == "segment":
+    # Entries ranked by length (longest first); tasks keep heaviest-first order within one.
+    e_rank = _inverse(xp, _stable_argsort(xp, -e_ql))
+    seg_key = xp.where(work > 0, e_rank[e], e_qs.shape[0])
+    launch = launch[_stable_argsort(xp, seg_key[launch])]
   inv = xp.zeros((cap,), i32)
   inv = inv.at[launch].set(t) if xp is not np else _np_set(inv, launch, t)
   cols = [q_base, q_lo, q_hi, kv_base, kv_lo, kv_hi, diag, t_lo, n_tiles, full_lo, full_hi, t]
@@ -187,6 +202,18 @@ def _searchsorted_right(xp, a, v):
   if xp is np:
     return np.searchsorted(a, v, side="right").astype(np.int32)
   return xp.searchsorted(a, v, side="right", method="scan_unrolled").astype(xp.int32)
+
+
+def _stable_argsort(xp, key):
+  return np.argsort(key, kind="stable") if xp is np else xp.argsort(key, stable=True)
+
+
+def _inverse(xp, perm):
+  """The inverse of permutation ``perm`` (int32)."""
+  n = perm.shape[0]
+  ar = xp.arange(n, dtype=xp.int32)
+  return _np_set(np.zeros(n, np.int32), perm, ar) if xp is np else (
+      xp.zeros((n,), xp.int32).at[perm].set(ar))
 
 
 def _np_set(a, idx, v):

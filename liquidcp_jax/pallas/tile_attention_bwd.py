@@ -96,7 +96,10 @@ class BwdTuningConfig:
   slot. With ``fused_dq_early`` and ``fused_ds_stages=2`` (2026-12-04, run aa, device time,
   fwd+bwd) it beat the two kernels on dense 8K (3.57 vs 3.71 ms) and ArXiv 64K (7 sequences, 54.15
   vs 55.67 ms) but not on FreeLaw 64K (14 sequences, 4.7K tokens each: 31.13 vs 29.05), hence
-  8192.
+  8192. Since the segment launch order (``task_order``, 2026-12-04 run af) it also wins on FreeLaw
+  (25.20 vs 26.74 ms) and on 16 sequences of 4096 tokens (15.27 vs 15.81) and ties on Pile-CC
+  64K (70 sequences, 936 tokens on average: 13.37 vs 13.34, run ag), hence 4096 (nothing was
+  measured between 936 and 4096 tokens per sequence).
 
   ``named_barriers``: the compute warpgroups hand SMEM ring slots back to the producer on
   hardware named barriers (:class:`sync.RingRelease`), and the fused kernel's two
@@ -122,7 +125,19 @@ class BwdTuningConfig:
   its GQA group's q heads at head ``task % group`` (so that CTAs running at the same time
   reduce-add into different dQ rows, as FlashAttention-3 shifts its query blocks) measured 12-16 %
   slower (run ab) and was dropped: CTAs of neighbouring key tiles streaming the same Q / dO tiles
-  at the same time seem to matter more."""
+  at the same time seem to matter more. ``fused_row_bias``: see :mod:`tile_attention_bwd_fused`
+  (tasks holding keys of a neighbouring segment keep their full tiles).
+
+  ``task_order``: the launch order of both backward task tables (``tables.build_task_table``'s
+  ``launch_order``). ``"segment"`` (default): sequence by sequence, longest first, heaviest task
+  first inside a sequence, so the CTAs resident at one time work on neighbouring tiles of one
+  sequence, as on a dense batch; presumably they then share their Q / dO (dK/dV, fused) or K / V
+  (dQ) tiles and the dQ accumulator rows in L2 (not measured: no counters). ``"work"``: heaviest
+  task first over the whole batch (the order before 2026-12-04), which spreads the resident CTAs
+  over all sequences. On the H200 (run af,
+  fwd+bwd device time) the segment order made the fused kernel 24 % faster on 16 sequences of
+  4096 tokens (15.27 vs 20.13 ms), 12 % on FreeLaw 64K (25.20 vs 28.57) and 0.3 % on ArXiv 64K,
+  and the two kernels 3.9 % on FreeLaw; a dense batch (one sequence) is unchanged."""
   block_kv_dq: int = 64
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
@@ -130,10 +145,12 @@ class BwdTuningConfig:
   fused: bool | None = None
   fused_split: str = "pair"
   named_barriers: bool | None = None
-  # Mean segment length at and above which ``fused=None`` runs the fused kernel.
-  fused_from_tokens_per_segment: int = 8192
+  # Mean segment length at and above which ``fused=None`` runs the fused kernel (see above).
+  fused_from_tokens_per_segment: int = 4096
   fused_dq_early: bool = True
   fused_ds_stages: int = 2
+  fused_row_bias: bool = True
+  task_order: str = "segment"
 
   def __post_init__(self):
     for name in ("block_kv_dq", "block_q_dkv"):
@@ -151,6 +168,10 @@ class BwdTuningConfig:
       raise ValueError(f"named_barriers must be None, True or False, got {self.named_barriers!r}")
     if not isinstance(self.fused_dq_early, bool):
       raise ValueError(f"fused_dq_early must be a bool, got {self.fused_dq_early!r}")
+    if self.task_order not in ("work", "segment"):
+      raise ValueError(f"task_order must be 'work' or 'segment', got {self.task_order!r}")
+    if not isinstance(self.fused_row_bias, bool):
+      raise ValueError(f"fused_row_bias must be a bool, got {self.fused_row_bias!r}")
     if self.fused_ds_stages not in (1, 2):
       raise ValueError(f"fused_ds_stages must be 1 or 2, got {self.fused_ds_stages!r}")
     if self.fused_from_tokens_per_segment < 1:

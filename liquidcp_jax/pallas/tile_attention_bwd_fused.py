@@ -24,11 +24,19 @@ so (on the default mbarrier hand-overs) a warpgroup never waits for the other's 
 before writing its half. On the H200
 (RESULTS.md, 2026-12-04, runs aa / ab) this made the kernel 1.7-4.6 % faster than the 2026-12-03
 schedule and faster than the two-kernel backward on dense 8K / 32K and on ArXiv 64K (7 sequences)
-but not on FreeLaw 64K (4.7K tokens per sequence), so ``BwdTuningConfig(fused=None)`` picks it per
-batch on the device from the mean segment length; ``fused=True`` / ``False`` decide statically.
+but not on FreeLaw 64K (4.7K tokens per sequence). The kernel depends on its launch order more
+than the two kernels do: with the backward tables launched sequence by sequence
+(``BwdTuningConfig.task_order="segment"``, run af) it also beats them on FreeLaw and on 4096-token
+sequences. ``BwdTuningConfig(fused=None)`` picks it per batch on the device from the mean segment
+length; ``fused=True`` / ``False`` decide statically.
 Rows of a task outside its [q_lo, q_hi) (keys of a neighbouring segment in the same 128-row block)
-are masked out of dS, since their dQ contributions would otherwise be added; tasks with such rows
-take the masked path for every tile.
+are masked out of dS, since their dQ contributions would otherwise be added. With
+``fused_row_bias`` (default) a per-row bias (0 or -inf, added to S^T) does that, so such a task
+(the first 128-key block of every packed sequence whose start is not 8-aligned, its heaviest
+task; the last block of most sequences; blocks shifted by the clamp at the end of the buffer)
+keeps its full tiles; without it, every tile of such a task took the masked path. On the
+H200 the bias made FreeLaw 64K's fwd+bwd 5.5 % faster with the fused kernel (28.66 vs 30.33 ms)
+and ArXiv's 1.7 % (RESULTS.md, 2026-12-04, run ae).
 """
 from __future__ import annotations
 
@@ -151,6 +159,7 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
   half = d // 2 if pair else d  # dQ columns per warpgroup
   n_ds = ds_stages(config)
   dq_early = config.fused_dq_early and pair
+  row_bias_mode = config.fused_row_bias
   scale2 = float(sm_scale) * bwd_lib._LOG2E
 
   def kernel(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, acc_ref, dk_ref, dv_ref, sc):
@@ -168,8 +177,18 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
       q_lo, q_hi = get("q_lo"), get("q_hi")
       r0 = w * _ROWS
       partial = (q_lo > r0) | (q_hi < r0 + _ROWS)
-      full_lo = jnp.where(partial, n_tiles, get("full_lo"))
-      full_hi = jnp.where(partial, n_tiles, get("full_hi"))
+      if row_bias_mode:
+        # Keys of this warpgroup outside [q_lo, q_hi) belong to a neighbouring segment: a
+        # per-row bias (0 or -inf, added to S^T) removes them, so a task with such rows (the
+        # first 128-key block of most packed sequences, its heaviest) keeps its full tiles.
+        full_lo, full_hi = get("full_lo"), get("full_hi")
+        rows_lo = jnp.where(partial, full_hi, full_lo)  # [full_lo, rows_lo): full + row bias
+        rr = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0,
+                                    layout=plgpu.Layout.WGMMA.reduce(1)) + r0
+        row_bias = jnp.where((rr >= q_lo) & (rr < q_hi), 0.0, -jnp.inf).astype(jnp.float32)
+      else:
+        full_lo = jnp.where(partial, n_tiles, get("full_lo"))
+        full_hi = jnp.where(partial, n_tiles, get("full_hi"))
       plgpu.barrier_wait(kv_bar.at[0])
       plgpu.barrier_wait(kv_bar.at[1])
       my_rows = pl.ds(r0, _ROWS)
@@ -194,10 +213,15 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
 
         def probs_t(st):
           st = st * scale2
-          if masked:
+          if row_bias_mode and masked:
+            st = st + lax.broadcast_in_dim(row_bias, st.shape, [0])
+          if masked is True:
             ok = bwd_lib._mask(st.shape, r0, j * bc, c_lo, c_hi, diag, causal, True)
-            rr = plgpu.broadcasted_iota(jnp.int32, st.shape, 0, layout=plgpu.Layout.WGMMA) + r0
-            st = jnp.where(ok & (rr >= q_lo) & (rr < q_hi), st, -jnp.inf)
+            if not row_bias_mode:
+              rr = plgpu.broadcasted_iota(jnp.int32, st.shape, 0,
+                                          layout=plgpu.Layout.WGMMA) + r0
+              ok = ok & (rr >= q_lo) & (rr < q_hi)
+            st = jnp.where(ok, st, -jnp.inf)
           plgpu.barrier_wait(lse_bar)
           lse = plgpu.load(lse_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
           return jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
@@ -260,8 +284,14 @@ def fused_bwd_kernel_call(q, k, v, do, lse2, delta, dq_acc, table, n_tasks, *, c
         return dk, dv
 
       def head_body(g, carry):
-        return masked_split_loop(functools.partial(step, g), t_lo, full_lo, full_hi, n_tiles,
-                                 carry)
+        if not row_bias_mode:
+          return masked_split_loop(functools.partial(step, g), t_lo, full_lo, full_hi, n_tiles,
+                                   carry)
+        sg = functools.partial(step, g)
+        carry = lax.fori_loop(t_lo, full_lo, functools.partial(sg, masked=True), carry)
+        carry = lax.fori_loop(full_lo, rows_lo, functools.partial(sg, masked="rows"), carry)
+        carry = lax.fori_loop(rows_lo, full_hi, functools.partial(sg, masked=False), carry)
+        return lax.fori_loop(full_hi, n_tiles, functools.partial(sg, masked=True), carry)
 
       dk, dv = lax.fori_loop(0, group, head_body, (zero, zero))
       bwd_lib.store_dk_dv(out, dk * sm_scale, dv, dtype if pair else jnp.float32, dk_ref, dv_ref,
