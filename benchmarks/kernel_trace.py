@@ -113,6 +113,7 @@ def trace_calls(f, args, n, **summarize_kw):
 VARIANTS = {
     "mbarrier_release": ("fwd", {"named_kv_release": False}),  # the default since 2026-12-04
     "named_release": ("fwd", {"named_kv_release": True}),
+    "fwd_segment": ("fwd", {"task_order": "segment"}),  # the forward table launched per sequence
     "two_kernel": ("bwd", {"fused": False}),
     "fused": ("bwd", {"fused": True}),
     "fused_v1": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 1}),

@@ -38,6 +38,35 @@ def test_interpret_persistent_forward(causal, num_ctas, mcs):
   assert np.isneginf(lse[~cov]).all()
 
 
+@pytest.mark.parametrize("persistent", [True, False])
+def test_interpret_forward_segment_order(persistent):
+  """TuningConfig.task_order="segment" (the table launched sequence by sequence): out and LSE vs
+  float64, the LSE read back through the table's row -> launch-index map. The lengths make the
+  segment order differ from the heaviest-first one (checked), so the permutation is exercised."""
+  from liquidcp_jax.pallas import tables as tl
+  rng = np.random.default_rng(43)
+  t, hq, hkv, d = 472, 2, 1, 64
+  qs = np.array([0, 261, 463, 0], np.int32)
+  ln = np.array([260, 200, 5, 3], np.int32)  # the 4th entry is beyond num_segs: ignored
+  z = np.zeros(4, np.int32)
+  orders = [tl.build_task_table(qs, ln, qs, ln, z, z, 3, tq=t, tk=512, block_q=128, block_kv=64,
+                                causal=True, launch_order=o).table for o in ("work", "segment")]
+  assert not np.array_equal(*orders)
+  q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float16)
+  k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float16)
+  v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float16)
+  cfg = api.TuningConfig(persistent=persistent, num_ctas=3, block_kv=64, task_order="segment")
+  out, lse = api.varlen_attention(q, k, v, qs, qs, ln, 3, causal=True, sm_scale=0.125,
+                                  interpret=True, config=cfg)
+  ro, rl = fwd.reference_attention(q, k, v, qs, ln, qs, ln, z, z, 3, causal=True, sm_scale=0.125)
+  out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+  cov = np.isfinite(rl[:, 0])
+  assert (~cov).sum() == 7  # rows in no segment: 260, 461-462, 468-471
+  assert np.linalg.norm(out[cov] - ro[cov]) / np.linalg.norm(ro[cov]) < 2e-3
+  np.testing.assert_allclose(lse[cov], rl[cov], atol=1e-4, rtol=1e-4)
+  np.testing.assert_array_equal(out[~cov], 0.0)
+
+
 def test_snake_order_covers_every_item_once():
   g, n_items = 5, 23
   seen = []
@@ -52,6 +81,8 @@ def test_snake_order_covers_every_item_once():
 def test_num_ctas_validated():
   with pytest.raises(ValueError, match="num_ctas"):
     api.TuningConfig(persistent=True, num_ctas=0)
+  with pytest.raises(ValueError, match="task_order"):
+    api.TuningConfig(task_order="lpt")
 
 
 _GPU_OK, _GPU_WHY = api.is_supported(jnp.bfloat16, 128)

@@ -78,7 +78,7 @@ def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_s
   zeros = jnp.zeros_like(seg_len)
   tt = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, zeros, zeros,
                                    num_segs, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
-                                   causal=causal, xp=jnp)
+                                   causal=causal, launch_order=config.task_order, xp=jnp)
   kernel = fwd_lib.tile_attention_fwd
   if config.use_persistent(tq0, seg_q_start.shape[0]):
     from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers_lib

@@ -53,6 +53,9 @@ class TuningConfig:
   v, span: 8K 0.856 vs 0.860 ms, but 32K 13.21 vs 13.06 for the named release), and a round-robin
   wall-clock run (p) favoured the named release by 1-2 %.
   GPU only (interpret mode keeps the mbarriers).
+  ``task_order``: the task table's launch order (``tables.build_task_table``'s ``launch_order``):
+  ``"work"`` (default; heaviest task first over the batch) or ``"segment"`` (sequence by sequence,
+  as the backward's default since 2026-12-04; not yet timed for the forward).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -61,8 +64,11 @@ class TuningConfig:
   num_ctas: int | None = None
   named_sched: bool = True
   named_kv_release: bool = False
+  task_order: str = "work"
 
   def __post_init__(self):
+    if self.task_order not in ("work", "segment"):
+      raise ValueError(f"task_order must be 'work' or 'segment', got {self.task_order!r}")
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q}")
     if self.block_kv not in (64, 128):
