@@ -4,11 +4,14 @@ forward+backward >= 0.9) next to the run-to-run spread that a table of single ru
 
 Reads the ``benchmarks/kernels.py`` JSONs under ``benchmarks/results/`` (``--glob``), keeps the
 dense rows, labels each run by the letter after the date in its file name, prints a table and
-writes a PNG. Round-robin runs (``--interleave``, "timing": "interleaved") are drawn filled,
+writes a PNG. A second PNG (``--packed-out``) does the same for the packed rows against cuDNN's
+packed layout (one panel per batch, forward and forward+backward, issue 6's target 1.0; where
+cuDNN's packed backward ran out of memory there is no forward+backward point). Round-robin runs (``--interleave``, "timing": "interleaved") are drawn filled,
 sequential ones hollow (their ratios are biased by run order and clock ramp-up; RESULTS.md).
 
   python benchmarks/plot_kernels.py [--glob 'benchmarks/results/kernels*_2026-12-0[34]_*.json']
                                     [--out benchmarks/results/kernels_ratios.png]
+                                    [--packed-out benchmarks/results/kernels_packed_ratios.png]
 """
 import argparse
 import glob
@@ -49,6 +52,60 @@ def load_points(pattern):
   return pts
 
 
+PACKED_SERIES = (("ours fwd", "ours_fwd", "o"), ("ours fwd+bwd", "ours_fwdbwd", "s"))
+
+
+def load_packed_points(pattern):
+  """[(run label, batch, {series: TFLOP/s over cuDNN packed's})] from the packed rows (batch =
+  the row's case without the "packed " prefix, e.g. "freelaw 64K")."""
+  pts = []
+  for path in sorted(glob.glob(pattern)):
+    m = re.search(r"_(\d{4}-\d{2}-\d{2})_([a-z]+)\.json$", os.path.basename(path))
+    if not m:
+      continue
+    with open(path) as fh:
+      rows = json.load(fh).get("rows", [])
+    for r in rows:
+      if r.get("section") != "packed":
+        continue
+      vals = {}
+      for name, key, _ in PACKED_SERIES:
+        base = "cudnn_packed_fwdbwd" if key.endswith("fwdbwd") else "cudnn_packed_fwd"
+        num, den = r.get(f"{key}_tflops"), r.get(f"{base}_tflops")
+        if num and den:
+          vals[name] = num / den
+      if vals:
+        pts.append((m.group(2), r["case"].removeprefix("packed "), vals))
+  return pts
+
+
+def plot_packed(pts, out):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  batches = sorted({b for _, b, _ in pts})
+  fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+  for ax, b in zip(axes[0], batches):
+    sub = [p for p in pts if p[1] == b]
+    runs = sorted({p[0] for p in sub}, key=run_order)
+    xs = {run: i for i, run in enumerate(runs)}
+    for (name, _, marker), color in zip(PACKED_SERIES, ("C0", "C1")):
+      sel = sorted((xs[run], v[name]) for run, _, v in sub if name in v)
+      if sel:
+        x, y = zip(*sel)
+        ax.plot(x, y, marker=marker, color=color, lw=0.8, label=name)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(runs)), runs)
+    ax.set_xlabel("run")
+    ax.set_ylabel("TFLOP/s relative to cuDNN packed")
+    ax.set_title(f"packed {b} (wall-clock)")
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=len(PACKED_SERIES), fontsize=9)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+
+
 def plot(pts, out):
   import matplotlib
   matplotlib.use("Agg")
@@ -83,6 +140,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--glob", default="benchmarks/results/kernels*_2026-12-0[34]_*.json")
   ap.add_argument("--out", default="benchmarks/results/kernels_ratios.png")
+  ap.add_argument("--packed-out", default="benchmarks/results/kernels_packed_ratios.png",
+                  help="PNG of the packed rows ('' for none)")
   a = ap.parse_args(argv)
   pts = load_points(a.glob)
   if not pts:
@@ -93,6 +152,14 @@ def main(argv=None):
     print(f"{run:4s} {s:6d} {'interleaved' if il else 'sequential':12s} {cells}")
   plot(pts, a.out)
   print(f"wrote {a.out}")
+  packed = load_packed_points(a.glob)
+  if a.packed_out and packed:
+    print(f"\n{'run':4s} {'batch':14s} " + " ".join(f"{n:>14s}" for n, _, _ in PACKED_SERIES))
+    for run, b, v in sorted(packed, key=lambda p: (p[1], run_order(p[0]))):
+      cells = " ".join(f"{v[n]:14.3f}" if n in v else f"{'-':>14s}" for n, _, _ in PACKED_SERIES)
+      print(f"{run:4s} {b:14s} {cells}")
+    plot_packed(packed, a.packed_out)
+    print(f"wrote {a.packed_out}")
   return pts
 
 
