@@ -29,9 +29,9 @@ def run_order(label):
   return (len(label), label)
 
 
-def load_points(pattern):
-  """[(run label, S, interleaved, {series: TFLOP/s over cuDNN's})] from the dense rows."""
-  pts = []
+def _section_rows(pattern, section):
+  """(run label, row) for every ``section`` row of the kernels.py JSONs matching ``pattern``
+  (the label is the letters after the date in the file name; other files are skipped)."""
   for path in sorted(glob.glob(pattern)):
     m = re.search(r"_(\d{4}-\d{2}-\d{2})_([a-z]+)\.json$", os.path.basename(path))
     if not m:
@@ -39,16 +39,28 @@ def load_points(pattern):
     with open(path) as fh:
       rows = json.load(fh).get("rows", [])
     for r in rows:
-      if r.get("section") != "dense":
-        continue
-      vals = {}
-      for name, key, _ in SERIES:
-        base = "cudnn_fwdbwd" if key.endswith("fwdbwd") else "cudnn_fwd"
-        num, den = r.get(f"{key}_tflops"), r.get(f"{base}_tflops")
-        if num and den:
-          vals[name] = num / den
-      if vals:
-        pts.append((m.group(2), int(r["S"]), r.get("timing") == "interleaved", vals))
+      if r.get("section") == section:
+        yield m.group(2), r
+
+
+def _ratios(row, series, baseline):
+  """{series name: its TFLOP/s over ``baseline``'s (fwd or fwd+bwd alike)}, where both exist."""
+  vals = {}
+  for name, key, _ in series:
+    base = f"{baseline}_fwdbwd" if key.endswith("fwdbwd") else f"{baseline}_fwd"
+    num, den = row.get(f"{key}_tflops"), row.get(f"{base}_tflops")
+    if num and den:
+      vals[name] = num / den
+  return vals
+
+
+def load_points(pattern):
+  """[(run label, S, interleaved, {series: TFLOP/s over cuDNN's})] from the dense rows."""
+  pts = []
+  for run, r in _section_rows(pattern, "dense"):
+    vals = _ratios(r, SERIES, "cudnn")
+    if vals:
+      pts.append((run, int(r["S"]), r.get("timing") == "interleaved", vals))
   return pts
 
 
@@ -59,63 +71,56 @@ def load_packed_points(pattern):
   """[(run label, batch, {series: TFLOP/s over cuDNN packed's})] from the packed rows (batch =
   the row's case without the "packed " prefix, e.g. "freelaw 64K")."""
   pts = []
-  for path in sorted(glob.glob(pattern)):
-    m = re.search(r"_(\d{4}-\d{2}-\d{2})_([a-z]+)\.json$", os.path.basename(path))
-    if not m:
-      continue
-    with open(path) as fh:
-      rows = json.load(fh).get("rows", [])
-    for r in rows:
-      if r.get("section") != "packed":
-        continue
-      vals = {}
-      for name, key, _ in PACKED_SERIES:
-        base = "cudnn_packed_fwdbwd" if key.endswith("fwdbwd") else "cudnn_packed_fwd"
-        num, den = r.get(f"{key}_tflops"), r.get(f"{base}_tflops")
-        if num and den:
-          vals[name] = num / den
-      if vals:
-        pts.append((m.group(2), r["case"].removeprefix("packed "), vals))
+  for run, r in _section_rows(pattern, "packed"):
+    vals = _ratios(r, PACKED_SERIES, "cudnn_packed")
+    if vals:
+      pts.append((run, r["case"].removeprefix("packed "), vals))
   return pts
 
 
-def plot_packed(pts, out):
+def _panels(keys, width, draw, ncol, out):
+  """One panel per key, side by side: ``draw(ax, key)`` fills each; one legend below; PNG."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  batches = sorted({b for _, b, _ in pts})
-  fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
-  for ax, b in zip(axes[0], batches):
-    sub = [p for p in pts if p[1] == b]
-    runs = sorted({p[0] for p in sub}, key=run_order)
-    xs = {run: i for i, run in enumerate(runs)}
-    for (name, _, marker), color in zip(PACKED_SERIES, ("C0", "C1")):
-      sel = sorted((xs[run], v[name]) for run, _, v in sub if name in v)
-      if sel:
-        x, y = zip(*sel)
-        ax.plot(x, y, marker=marker, color=color, lw=0.8, label=name)
+  fig, axes = plt.subplots(1, len(keys), figsize=(width * len(keys), 4), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    draw(ax, key)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(len(runs)), runs)
-    ax.set_xlabel("run")
-    ax.set_ylabel("TFLOP/s relative to cuDNN packed")
-    ax.set_title(f"packed {b} (wall-clock)")
   handles, labels = axes[0][0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="lower center", ncol=len(PACKED_SERIES), fontsize=9)
+  fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9)
   fig.tight_layout(rect=(0, 0.08, 1, 1))
   fig.savefig(out, dpi=110)
   plt.close(fig)
 
 
+def _run_axis(ax, runs, xlabel):
+  """x positions of ``runs`` in run order, with the run letters as ticks."""
+  runs = sorted(set(runs), key=run_order)
+  ax.set_xticks(range(len(runs)), runs)
+  ax.set_xlabel(xlabel)
+  return {run: i for i, run in enumerate(runs)}
+
+
+def plot_packed(pts, out):
+  def draw(ax, b):
+    sub = [p for p in pts if p[1] == b]
+    xs = _run_axis(ax, [p[0] for p in sub], "run")
+    for (name, _, marker), color in zip(PACKED_SERIES, ("C0", "C1")):
+      sel = sorted((xs[run], v[name]) for run, _, v in sub if name in v)
+      if sel:
+        x, y = zip(*sel)
+        ax.plot(x, y, marker=marker, color=color, lw=0.8, label=name)
+    ax.set_ylabel("TFLOP/s relative to cuDNN packed")
+    ax.set_title(f"packed {b} (wall-clock)")
+
+  _panels(sorted({b for _, b, _ in pts}), 4.5, draw, len(PACKED_SERIES), out)
+
+
 def plot(pts, out):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  sizes = sorted({s for _, s, _, _ in pts})
-  fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
-  for ax, s in zip(axes[0], sizes):
+  def draw(ax, s):
     sub = [p for p in pts if p[1] == s]
-    runs = sorted({p[0] for p in sub}, key=run_order)
-    xs = {run: i for i, run in enumerate(runs)}
+    xs = _run_axis(ax, [p[0] for p in sub], "run (benchmarks/results/*_<date>_<run>.json)")
     for (name, _, marker), color in zip(SERIES, ("C0", "C1", "C2", "C3")):
       for filled in (True, False):
         sel = [(xs[run], v[name]) for run, _, il, v in sub if il == filled and name in v]
@@ -123,17 +128,11 @@ def plot(pts, out):
           x, y = zip(*sel)
           ax.scatter(x, y, marker=marker, s=40, label=name if filled else None,
                      facecolors=color if filled else "none", edgecolors=color)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.axhline(0.9, color="grey", lw=0.8, ls=":")
-    ax.set_xticks(range(len(runs)), runs)
-    ax.set_xlabel("run (benchmarks/results/*_<date>_<run>.json)")
     ax.set_ylabel("TFLOP/s relative to cuDNN")
     ax.set_title(f"dense causal S={s // 1024}K (filled: round-robin, hollow: sequential)")
-  handles, labels = axes[0][0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="lower center", ncol=len(SERIES), fontsize=9)
-  fig.tight_layout(rect=(0, 0.08, 1, 1))
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
+
+  _panels(sorted({s for _, s, _, _ in pts}), 6, draw, len(SERIES), out)
 
 
 def main(argv=None):
