@@ -30,6 +30,7 @@ FIELDS = (
                 # task's LSE at its launch index, which ``row_task`` maps rows to
 )
 NUM_FIELDS = len(FIELDS)
+LAUNCH_ORDERS = ("work", "segment")  # build_task_table's launch_order
 ROW_ALIGN = 8  # q_base / kv_base are multiples of this (TMA into (8, 64)-tiled SMEM needs it)
 F = {name: i for i, name in enumerate(FIELDS)}
 
@@ -92,8 +93,8 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   same Q / dO (or K / V) tiles, as on a dense batch, while the lightest tasks still come last.
   Tasks with no work (gaps, unused capacity) come last in both.
   """
-  if launch_order not in ("work", "segment"):
-    raise ValueError(f"launch_order must be 'work' or 'segment', got {launch_order!r}")
+  if launch_order not in LAUNCH_ORDERS:
+    raise ValueError(f"launch_order must be one of {LAUNCH_ORDERS}, got {launch_order!r}")
   if tq < block_q:
     raise ValueError(f"tq={tq} must be >= block_q={block_q} (pad q)")
   if tq % ROW_ALIGN:
@@ -109,7 +110,7 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   kv_len = xp.where(live, kv_len, 0)
   # Gaps: sort live segments by q_start; the gap before each is [prev_end, start).
   key = xp.where(live, q_start, tq)
-  order = xp.argsort(key, stable=True) if xp is not np else np.argsort(key, kind="stable")
+  order = _stable_argsort(xp, key)
   s_start = key[order]
   s_end = xp.where(live[order], s_start + q_len[order], tq)
   prev_end = xp.concatenate([xp.zeros((1,), i32), s_end])
@@ -125,7 +126,7 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
   e_qp = xp.concatenate([q_pos0, z1])
   e_kp = xp.concatenate([kv_pos0, z1])
   e_key = xp.where(e_ql > 0, e_qs, tq)
-  eo = xp.argsort(e_key, stable=True) if xp is not np else np.argsort(e_key, kind="stable")
+  eo = _stable_argsort(xp, e_key)
   e_qs, e_ql, e_ks, e_kl, e_qp, e_kp = (a[eo] for a in (e_qs, e_ql, e_ks, e_kl, e_qp, e_kp))
   skip = e_qs % ROW_ALIGN  # tiles of an entry start at its 8-aligned row
   n_qt = xp.where(e_ql > 0, _cdiv(e_ql + skip, block_q), 0)
@@ -179,8 +180,7 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
     e_rank = _inverse(xp, _stable_argsort(xp, -e_ql))
     seg_key = xp.where(work > 0, e_rank[e], e_qs.shape[0])
     launch = launch[_stable_argsort(xp, seg_key[launch])]
-  inv = xp.zeros((cap,), i32)
-  inv = inv.at[launch].set(t) if xp is not np else _np_set(inv, launch, t)
+  inv = _inverse(xp, launch)
   cols = [q_base, q_lo, q_hi, kv_base, kv_lo, kv_hi, diag, t_lo, n_tiles, full_lo, full_hi, t]
   table = xp.stack([col.astype(i32) for col in cols], axis=1)[launch]
   # Row -> (launch index, tile row): tasks are in row order before the launch permutation.

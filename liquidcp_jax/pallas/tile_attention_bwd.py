@@ -168,8 +168,9 @@ class BwdTuningConfig:
       raise ValueError(f"named_barriers must be None, True or False, got {self.named_barriers!r}")
     if not isinstance(self.fused_dq_early, bool):
       raise ValueError(f"fused_dq_early must be a bool, got {self.fused_dq_early!r}")
-    if self.task_order not in ("work", "segment"):
-      raise ValueError(f"task_order must be 'work' or 'segment', got {self.task_order!r}")
+    if self.task_order not in tables_lib.LAUNCH_ORDERS:
+      raise ValueError(f"task_order must be one of {tables_lib.LAUNCH_ORDERS}, got "
+                       f"{self.task_order!r}")
     if not isinstance(self.fused_row_bias, bool):
       raise ValueError(f"fused_row_bias must be a bool, got {self.fused_row_bias!r}")
     if self.fused_ds_stages not in (1, 2):

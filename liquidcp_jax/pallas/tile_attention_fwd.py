@@ -67,8 +67,9 @@ class TuningConfig:
   task_order: str = "work"
 
   def __post_init__(self):
-    if self.task_order not in ("work", "segment"):
-      raise ValueError(f"task_order must be 'work' or 'segment', got {self.task_order!r}")
+    if self.task_order not in tables_lib.LAUNCH_ORDERS:
+      raise ValueError(f"task_order must be one of {tables_lib.LAUNCH_ORDERS}, got "
+                       f"{self.task_order!r}")
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q}")
     if self.block_kv not in (64, 128):
