@@ -114,6 +114,12 @@ VARIANTS = {
     "mbarrier_release": ("fwd", {"named_kv_release": False}),  # the default since 2026-12-04
     "named_release": ("fwd", {"named_kv_release": True}),
     "fwd_segment": ("fwd", {"task_order": "segment"}),  # the forward table launched per sequence
+    # The forward's two kernels forced (the default picks by tokens per segment slot,
+    # TuningConfig.use_persistent).
+    "fwd_plain": ("fwd", {"persistent": False}),
+    "fwd_persistent": ("fwd", {"persistent": True}),
+    "fwd_bkv64": ("fwd", {"block_kv": 64}),
+    "fwd_mcs3": ("fwd", {"max_concurrent_steps": 3}),
     "two_kernel": ("bwd", {"fused": False}),
     "fused": ("bwd", {"fused": True}),
     "fused_v1": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 1}),

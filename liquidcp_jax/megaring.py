@@ -26,9 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from liquidcp_jax import planning
 from liquidcp_jax._checks import check_qkv
+from liquidcp_jax.executors import segment_ring as ring_exec
 from liquidcp_jax.executors import xla as xla_exec
 from liquidcp_jax.layout import build_layout
 from liquidcp_jax.planning.megaring_tables import MegaRingTables, SequenceInfo, build_tables
+from liquidcp_jax.planning.ring_segments import RingSegments, build_ring_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,27 +71,34 @@ class MegaRingPlan:
       unshard_src: ``[T]`` int32 CP slot of each packed token.
       segments: ``(seg_start [N, S_cap], seg_len [N, S_cap], seg_count [N, 1])`` int32: each device's
         local sequences as contiguous rows of its shard (used when every group has size 1).
+      ring_segments: ``RingSegments`` (int32 ``[N, steps, K]`` arrays and an ``[N, steps]`` count): per
+        device and ring step, the step's Compute task as packed segments with positions (the Pallas
+        segment-ring executor).
       placement: the ``planning.Placement`` (host only; ``None`` inside ``jit``).
       sequences: ``SequenceInfo`` with per-sequence chunk sizes and ``tau_min`` / ``tau_max`` (host only).
     """
 
     def __init__(self, static: PlanStatic, tables: MegaRingTables, shard_src, unshard_src, segments,
-                 placement=None, sequences: SequenceInfo | None = None):
+                 ring_segments: RingSegments, placement=None, sequences: SequenceInfo | None = None):
         self.static = static
         self.tables = tables
         self.segments = segments
+        self.ring_segments = ring_segments
         self.shard_src = shard_src
         self.unshard_src = unshard_src
         self.placement = placement
         self.sequences = sequences
 
     def tree_flatten(self):
-        return (self.tables.arrays() + (self.shard_src, self.unshard_src) + tuple(self.segments)), self.static
+        return (self.tables.arrays() + (self.shard_src, self.unshard_src) + tuple(self.segments)
+                + self.ring_segments.arrays()), self.static
 
     @classmethod
     def tree_unflatten(cls, static, leaves):
-        *tb, shard_src, unshard_src, s0, s1, s2 = leaves
-        return cls(static, MegaRingTables(*tb), shard_src, unshard_src, (s0, s1, s2))
+        n_ring = len(dataclasses.fields(RingSegments))
+        ring = RingSegments(*leaves[len(leaves) - n_ring:])
+        *tb, shard_src, unshard_src, s0, s1, s2 = leaves[:len(leaves) - n_ring]
+        return cls(static, MegaRingTables(*tb), shard_src, unshard_src, (s0, s1, s2), ring)
 
     @property
     def mesh(self) -> Mesh:
@@ -200,8 +209,9 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
       tile_size: ``B``, tokens per tile (zigzag chunks are whole tiles).
       task_tiles: ``M``, the most KV tiles one forward task coalesces (the
         executor's cap on ``tau_max = 4H``; ``tau_min = H/2`` is capped by it too).
-      capacity: optional floors ``{"sections": {g: tiles}, "fwd_tasks": K, "bwd_pairs": P}``
-        to pin a capacity bucket across batches.
+      capacity: optional floors ``{"sections": {g: tiles}, "fwd_tasks": K, "bwd_pairs": P,
+        "segments": n}`` to pin a capacity bucket across batches (``plan.capacity`` of the largest;
+        ``segments``: segment slots per device, of the one-step path and of the segment ring).
       memory_budget: bytes the XLA executor's intermediates for one chunk of tasks may take (scores and
         probabilities of ``c`` tasks); a step's tasks run ``c`` at a time, so peak temporary memory is
         the budget plus f32 accumulators of the local shard, not a whole step's scores. Default 512 MiB.
@@ -229,11 +239,13 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
     all_local = bool(np.all(pl.sizes == 1))
     static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
                         int(task_tiles), bool(causal), int(sum(lengths)), all_local, int(memory_budget))
-    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, _local_segments(layout, pl),
-                        pl, seqinfo)
+    ring = build_ring_segments(layout, pl.starts, pl.sizes, lengths, causal=causal,
+                               min_capacity=int(capacity.get("segments", 1)))
+    local = _local_segments(layout, pl, int(capacity.get("segments", 1)))
+    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, local, ring, pl, seqinfo)
 
 
-def _local_segments(layout, pl):
+def _local_segments(layout, pl, min_capacity: int = 1):
     """Per-device contiguous local sequences (size-1 groups keep chunks 0 and 1 adjacent)."""
     N, n_tiles = layout.tile_seq.shape
     B = layout.shard_src.shape[0] // (N * n_tiles)
@@ -242,7 +254,7 @@ def _local_segments(layout, pl):
         if g.size == 1:
             first = int(np.nonzero(layout.tile_seq[g.start] == i)[0][0])
             rows[g.start].append((first * B, L))
-    cap = _bucket_count(max(len(r) for r in rows))
+    cap = max(_bucket_count(max(len(r) for r in rows)), _bucket_count(min_capacity))
     start = np.zeros((N, cap), np.int32)
     length = np.zeros((N, cap), np.int32)
     count = np.zeros((N, 1), np.int32)
@@ -301,6 +313,64 @@ _megaring_xla.defvjp(_megaring_xla_fwd, _megaring_xla_bwd)
 _megaring_xla_jit = jax.jit(_megaring_xla, static_argnums=(4, 5))
 
 
+def _ring_forward(q, k, v, ring, static: PlanStatic, spec: ring_exec.RingSpec):
+    def f(q, k, v, *rs):
+        return ring_exec.forward(q, k, v, [x[0] for x in rs], spec)
+
+    return _local(f, static, 3 + len(ring), 2)(q, k, v, *ring)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _megaring_ring(q, k, v, ring, static, spec):
+    return _ring_forward(q, k, v, ring, static, spec)[0]
+
+
+def _megaring_ring_fwd(q, k, v, ring, static, spec):
+    out, lse = _ring_forward(q, k, v, ring, static, spec)
+    return out, (q, k, v, ring, out, lse)
+
+
+def _megaring_ring_bwd(static, spec, res, dout):
+    q, k, v, ring, out, lse = res
+
+    def f(q, k, v, out, lse, do, *rs):
+        return ring_exec.backward(q, k, v, out, lse, do, [x[0] for x in rs], spec)
+
+    dq, dk, dv = _local(f, static, 6 + len(ring), 3)(q, k, v, out, lse, dout, *ring)
+    return dq, dk, dv, jax.tree.map(lambda _: None, ring)
+
+
+_megaring_ring.defvjp(_megaring_ring_fwd, _megaring_ring_bwd)
+_megaring_ring_jit = jax.jit(_megaring_ring, static_argnums=(4, 5))
+
+
+def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute: str = "pallas",
+                           interpret: bool = False, config=None, bwd_config=None):
+    """MegaRing's ring with one packed-segment attention call per step (differentiable; the
+    executor of ``megaring_attention(..., backend="pallas")`` for plans with groups larger than
+    one device; see :mod:`liquidcp_jax.executors.segment_ring`).
+
+    q: ``[N * capacity, Hq, D]``, k, v: ``[N * capacity, Hkv, D]`` in the plan's CP layout.
+    ``compute``: ``"pallas"`` (Mosaic GPU kernels; ``interpret=True`` runs them in the GPU
+    interpreter, one device only) or ``"xla"`` (the portable twin, any mesh). ``config`` /
+    ``bwd_config``: Pallas ``TuningConfig`` / ``BwdTuningConfig``. Returns ``[N * capacity, Hq, D]``.
+    """
+    _check_inputs(q, k, v, plan, plan.static.causal)
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float (it is static in the kernels); got {type(scale).__name__}")
+    if compute not in ring_exec.COMPUTES:
+        raise ValueError(f"compute must be one of {ring_exec.COMPUTES}; got {compute!r}")
+    if interpret and plan.static.num_devices > 1:
+        raise ValueError(f"interpret=True needs a 1-device mesh (the Mosaic GPU interpreter keeps one "
+                         f"global shared-memory model); the plan's mesh has {plan.static.num_devices}")
+    spec = ring_exec.RingSpec(plan.static.exec_spec(float(scale)), compute, bool(interpret), config,
+                              bwd_config)
+    sh = plan.sharding
+    ring = tuple(_constrain(jnp.asarray(x), sh) for x in plan.ring_segments.arrays())
+    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    return _megaring_ring_jit(q, k, v, ring, plan.static, spec)
+
+
 def _check_inputs(q, k, v, plan: MegaRingPlan, causal: bool):
     if not isinstance(plan, MegaRingPlan):
         raise ValueError(f"plan must be a MegaRingPlan from lcp.plan_megaring; got {type(plan).__name__}")
@@ -348,14 +418,20 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scal
       plan: from :func:`plan_megaring` (pass it through ``jit`` as an argument).
       causal: must match the plan.
       scale: softmax scale, default ``1/sqrt(D)``.
-      backend: ``"auto"`` (Pallas on Hopper GPUs when available, else XLA), ``"xla"``, ``"pallas"``.
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"``. ``"pallas"``: the Mosaic GPU kernels (Hopper):
+        one call per device when every sequence is local (the one-step path), else the segment ring
+        (:func:`segment_ring_attention`: ``ppermute`` transfers, one kernel call per ring step).
+        ``"auto"``: the one-step Pallas path where it can run, else the XLA executor (the segment
+        ring has not been run on several GPUs yet, so it is opt-in).
     Returns:
       ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
     """
     d = _check_inputs(q, k, v, plan, causal)
     if _resolve_backend(backend, q, d, plan) == "pallas":
         scale = d ** -0.5 if scale is None else float(scale)
-        return pallas_one_step(q, k, v, plan, scale=scale)
+        if plan.static.all_local:
+            return pallas_one_step(q, k, v, plan, scale=scale)
+        return segment_ring_attention(q, k, v, plan, scale=scale)
     return megaring_attention_with_lse(q, k, v, plan, causal=causal, scale=scale, backend="xla")[0]
 
 
@@ -405,13 +481,13 @@ def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:
         return "xla"
     from liquidcp_jax.pallas import api as pallas_api
     ok, why = pallas_api.is_supported(q.dtype, head_dim)
-    if ok and not plan.static.all_local:
-        ok, why = False, ("KV exchange between devices is not in the Pallas engine yet (it runs plans whose "
-                          "groups all have size 1)")
     if backend == "pallas":
         if not ok:
             raise ValueError(f'backend="pallas" cannot run here: {why}')
         return "pallas"
+    if ok and not plan.static.all_local:
+        ok, why = False, ('the Pallas segment ring (groups larger than one device) has not been run on '
+                          'several GPUs yet; pass backend="pallas" to use it')
     if ok:
         return "pallas"
     if any(dev.platform == "gpu" for dev in plan.mesh.devices.flat):
@@ -424,7 +500,8 @@ def _capacity(self) -> dict[str, Any]:
     s = self.static
     return {"sections": dict(zip(s.section_sizes, s.section_tiles)),
             "fwd_tasks": int(np.shape(self.tables.fwd_q_tile)[-1]),
-            "bwd_pairs": int(np.shape(self.tables.bwd_q_tile)[-1])}
+            "bwd_pairs": int(np.shape(self.tables.bwd_q_tile)[-1]),
+            "segments": max(int(np.shape(self.segments[0])[-1]), self.ring_segments.capacity)}
 
 
 MegaRingPlan.capacity = property(_capacity)

@@ -132,7 +132,7 @@ def test_gradient_step_traces_once_per_bucket(mesh8, rng):
     caps = [lcp.plan_megaring(b, mesh8, placement="buddyring", tile_size=16, capacity={"sections": sections}
                               ).capacity for b in batches]
     cap = {"sections": sections, "fwd_tasks": max(c["fwd_tasks"] for c in caps),
-           "bwd_pairs": max(c["bwd_pairs"] for c in caps)}
+           "bwd_pairs": max(c["bwd_pairs"] for c in caps), "segments": max(c["segments"] for c in caps)}
     q, k, v = random_qkv(rng, 428, 2, 1, 16)
     w = rng.standard_normal(q.shape).astype(np.float32)
     statics = set()

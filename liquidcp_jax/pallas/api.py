@@ -2,8 +2,13 @@
 
 ``varlen_attention`` is a ``jax.custom_vjp`` op over packed variable-length segments. Forward:
 the Mosaic GPU kernel in :mod:`tile_attention_fwd`. Backward (``bwd_impl="pallas"``, default): the
-dQ and dK/dV Mosaic GPU kernels in :mod:`tile_attention_bwd`; ``bwd_impl="xla"``:
+dQ and dK/dV Mosaic GPU kernels in :mod:`tile_attention_bwd` (or the fused one); ``bwd_impl="xla"``:
 :func:`xla_segment_attention_bwd`, a chunked XLA implementation.
+
+``segment_attention`` / ``segment_attention_bwd`` are the general, non-differentiable pair over
+:class:`tables.Segments` (query / key lengths and token positions per segment): the Compute task
+of one ring step, whose backward takes the final out / LSE. ``xla_segment_attention`` /
+``xla_segment_attention_bwd`` are their portable twins (CPU).
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ def is_supported(q_dtype, head_dim) -> tuple[bool, str]:
   return True, ""
 
 
-def _check(q, k, v, seg_arrays, config):
+def _check_qkv(q, k, v):
   if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
     raise ValueError(f"q, k, v must be [T, H, D]; got ndim {q.ndim}, {k.ndim}, {v.ndim}")
   if k.shape != v.shape:
@@ -55,16 +60,39 @@ def _check(q, k, v, seg_arrays, config):
     raise ValueError(f"head_dim must be 64 or 128, got {q.shape[2]}")
   if q.shape[1] % k.shape[1] or q.shape[1] // k.shape[1] not in (1, 2, 4, 8):
     raise ValueError(f"Hq/Hkv must be 1, 2, 4 or 8, got Hq={q.shape[1]}, Hkv={k.shape[1]}")
-  s_cap = seg_arrays[0].shape
-  for name, a in zip(("seg_q_start", "seg_kv_start", "seg_len"), seg_arrays):
-    if a.ndim != 1 or a.shape != s_cap:
-      raise ValueError(f"{name} must be int32 [S_cap] like seg_q_start {s_cap}, got {a.shape}")
+
+
+def _check(q, k, v, seg: "tables_lib.Segments", config, names=None):
+  _check_qkv(q, k, v)
+  _check_segments(seg, names)
   if not isinstance(config, TuningConfig):
     raise ValueError(f"config must be a pallas TuningConfig, got {type(config)}")
+  fwd_lib.check_smem(config, q.shape[2], jnp.dtype(q.dtype).itemsize)
 
 
-def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
-             interpret):
+def _check_segments(seg, names=None):
+  """``names``: the caller's argument name per :class:`tables.Segments` field (default
+  ``segments.<field>``)."""
+  if not isinstance(seg, tables_lib.Segments):
+    raise ValueError(f"segments must be a pallas.tables.Segments, got {type(seg).__name__}")
+  fields = tables_lib.Segments._fields
+  names = names or {f: f"segments.{f}" for f in fields}
+  s_cap = jnp.shape(seg.q_start)
+  if len(s_cap) != 1:
+    raise ValueError(f"{names['q_start']} must be int32 [S_cap], got shape {s_cap}")
+  for f, a in zip(fields[:6], seg[:6]):
+    if jnp.shape(a) != s_cap:
+      raise ValueError(f"{names[f]} must be int32 [S_cap] like {names['q_start']} {s_cap}, got "
+                       f"{jnp.shape(a)}")
+  if jnp.ndim(seg.num_segs) != 0:
+    raise ValueError(f"{names['num_segs']} must be a scalar, got shape {jnp.shape(seg.num_segs)}")
+
+
+def _as_segments(seg: "tables_lib.Segments") -> "tables_lib.Segments":
+  return tables_lib.Segments(*(jnp.asarray(a, jnp.int32) for a in seg))
+
+
+def _forward(q, k, v, seg, causal, sm_scale, config, interpret):
   tq0, hq, d = q.shape
   tr, bkv = config.task_rows, config.block_kv
   tk0 = k.shape[0]
@@ -75,12 +103,10 @@ def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_s
   if tk != tk0:
     kp = jnp.pad(k, ((0, tk - tk0), (0, 0), (0, 0)))
     vp = jnp.pad(v, ((0, tk - tk0), (0, 0), (0, 0)))
-  zeros = jnp.zeros_like(seg_len)
-  tt = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, zeros, zeros,
-                                   num_segs, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
+  tt = tables_lib.build_task_table(*seg, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
                                    causal=causal, launch_order=config.task_order, xp=jnp)
   kernel = fwd_lib.tile_attention_fwd
-  if config.use_persistent(tq0, seg_q_start.shape[0]):
+  if config.use_persistent(tq0, seg.q_start.shape[0]):
     from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers_lib
     kernel = pers_lib.tile_attention_fwd_persistent
   out, lse_pad = kernel(qp, kp, vp, tt.table, tt.capacity, causal=causal, sm_scale=sm_scale,
@@ -89,36 +115,84 @@ def _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_s
   return out[:tq0], lse[:tq0]
 
 
-def _row_segments(seg_start, seg_len, num_segs, t):
-  """Per row: (segment id or -1, position in segment)."""
+def _row_segments(seg_start, seg_len, seg_pos0, num_segs, t):
+  """Per row of a [t, ...] buffer: (segment id or -1, token position)."""
   s_cap = seg_start.shape[0]
   live = (jnp.arange(s_cap) < num_segs) & (seg_len > 0)
   rows = jnp.arange(t)
   inside = (rows[:, None] >= seg_start[None]) & (rows[:, None] < (seg_start + seg_len)[None])
   inside = inside & live[None]
   sid = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
-  pos = rows - jnp.where(sid >= 0, seg_start[jnp.maximum(sid, 0)], 0)
+  s0 = jnp.maximum(sid, 0)
+  pos = jnp.where(sid >= 0, rows - seg_start[s0] + seg_pos0[s0], 0)
   return sid.astype(jnp.int32), pos.astype(jnp.int32)
 
 
-def xla_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, seg_len, num_segs,
-                              *, causal, sm_scale, chunk=512):
-  """Backward in XLA (chunks of ``chunk`` query rows, float32 math). Returns dq, dk, dv."""
+def _xla_chunks(q, k, seg, causal, chunk):
+  """Shared set-up of the XLA segment paths: per key (segment, position), per query chunk the
+  same, and a function padding [tq, ...] arrays to whole chunks [n, chunk, ...]."""
+  tq, tk = q.shape[0], k.shape[0]
+  sq, pq = _row_segments(seg.q_start, seg.q_len, seg.q_pos0, seg.num_segs, tq)
+  sk, pk = _row_segments(seg.kv_start, seg.kv_len, seg.kv_pos0, seg.num_segs, tk)
+  n = -(-tq // chunk)
+  padr = n * chunk - tq
+  pad = lambda a, val=0: jnp.pad(a, [(0, padr)] + [(0, 0)] * (a.ndim - 1),
+                                 constant_values=val).reshape(n, chunk, *a.shape[1:])
+
+  def visible(sqb, pqb):
+    vis = (sqb[:, None] == sk[None]) & (sqb[:, None] >= 0)
+    return vis & (pk[None] <= pqb[:, None]) if causal else vis
+
+  return n, pad, pad(sq, -1), pad(pq), visible
+
+
+def xla_segment_attention(q, k, v, segments, *, causal, sm_scale, chunk=512):
+  """Forward in XLA (float32 math, chunks of ``chunk`` query rows): the portable twin of
+  :func:`segment_attention` with the same arguments and results (rows in no segment, or whose
+  keys are all masked: out = 0, lse = -inf)."""
+  _check_segments(segments)
+  seg = _as_segments(segments)
+  tq, hq, d = q.shape
+  hkv = k.shape[1]
+  g = hq // hkv
+  n, pad, sqc, pqc, visible = _xla_chunks(q, k, seg, causal, chunk)
+  kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+  def body(_, xs):
+    qb, sqb, pqb = xs
+    s = jnp.einsum("qhgd,khd->hgqk", qb.astype(jnp.float32), kf) * sm_scale
+    vis = visible(sqb, pqb)[None, None]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, -1, keepdims=True)
+    ms = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - ms), 0.0)
+    l = jnp.sum(p, -1)
+    o = jnp.einsum("hgqk,khd->qhgd", p, vf) / jnp.where(l > 0, l, 1.0).transpose(2, 0, 1)[..., None]
+    lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + ms[..., 0], -jnp.inf)
+    return None, (o, lse.transpose(2, 0, 1))
+
+  _, (o, lse) = jax.lax.scan(body, None, (pad(q).reshape(n, chunk, hkv, g, d), sqc, pqc))
+  return (o.reshape(n * chunk, hq, d)[:tq].astype(q.dtype),
+          lse.reshape(n * chunk, hq)[:tq])
+
+
+def xla_segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, chunk=512):
+  """Backward in XLA (chunks of ``chunk`` query rows, float32 math). Returns dq, dk, dv.
+
+  ``out`` / ``lse`` are the final output and natural-log LSE of every query row: when they come
+  from more keys than these segments hold (the other steps of a ring), the gradients are this
+  call's share, and the shares over all steps sum to the full gradients."""
+  _check_segments(segments)
+  seg = _as_segments(segments)
   tq, hq, d = q.shape
   tk, hkv, _ = k.shape
   g = hq // hkv
-  sq, pq = _row_segments(seg_q_start, seg_len, num_segs, tq)
-  sk, pk = _row_segments(seg_kv_start, seg_len, num_segs, tk)
+  n, pad, sqc, pqc, visible = _xla_chunks(q, k, seg, causal, chunk)
   delta = jnp.einsum("thd,thd->th", do.astype(jnp.float32), out.astype(jnp.float32))
-  n = -(-tq // chunk)
-  padr = n * chunk - tq
-  pad = lambda a, val=0: jnp.pad(a, [(0, padr)] + [(0, 0)] * (a.ndim - 1), constant_values=val)
   qc = pad(q).reshape(n, chunk, hkv, g, d)
   doc = pad(do).reshape(n, chunk, hkv, g, d)
   lsec = pad(lse, -jnp.inf).reshape(n, chunk, hkv, g)
   dlc = pad(delta).reshape(n, chunk, hkv, g)
-  sqc = pad(sq, -1).reshape(n, chunk)
-  pqc = pad(pq).reshape(n, chunk)
   kf = k.astype(jnp.float32)
   vf = v.astype(jnp.float32)
 
@@ -127,9 +201,7 @@ def xla_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, 
     qb, dob, lb, dlb, sqb, pqb = xs
     qb = qb.astype(jnp.float32)
     dob = dob.astype(jnp.float32)
-    vis = (sqb[:, None] == sk[None]) & (sqb[:, None] >= 0)
-    if causal:
-      vis = vis & (pk[None] <= pqb[:, None])
+    vis = visible(sqb, pqb)
     s = jnp.einsum("qhgd,khd->hgqk", qb, kf) * sm_scale
     lt = jnp.transpose(lb, (1, 2, 0))[..., None]
     p = jnp.where(vis[None, None], jnp.exp(s - jnp.where(jnp.isfinite(lt), lt, 0.0)), 0.0)
@@ -172,10 +244,34 @@ def _fused_mode(config, head_dim, interpret, num_q_rows) -> str:
 
 def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_start, seg_len,
                                  num_segs, *, causal, sm_scale, config=None, interpret=False):
-  """Backward with the Mosaic GPU kernels. Shapes as :func:`varlen_attention`; returns dq, dk, dv.
+  """Backward of packed self-attention with the Mosaic GPU kernels. Shapes as
+  :func:`varlen_attention`; returns dq, dk, dv (:func:`segment_attention_bwd` with equal query /
+  key lengths and positions from 0)."""
+  seg = tables_lib.Segments.self_attention(seg_q_start, seg_kv_start, seg_len, num_segs, xp=jnp)
+  return segment_attention_bwd(q, k, v, out, lse, do, seg, causal=causal, sm_scale=sm_scale,
+                               config=config, interpret=interpret)
 
-  Key segments must not overlap either (true for packed self-attention)."""
+
+def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, config=None,
+                          interpret=False):
+  """dq, dk, dv of segment attention with the Mosaic GPU kernels.
+
+  q, out, do: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; lse: f32 [Tq, Hq] natural log; segments: a
+  :class:`tables.Segments` (positions included; key segments must not overlap either).
+  ``out`` / ``lse`` are the final output and LSE of every query row, so a ring step's call with
+  only that step's keys returns its share of the gradients (the shares sum to the full ones).
+  Returns dq [Tq, Hq, D] in q.dtype, dk, dv [Tk, Hkv, D] in k.dtype."""
   config = bwd_lib.BwdTuningConfig() if config is None else config
+  if not isinstance(config, bwd_lib.BwdTuningConfig):
+    raise ValueError(f"config must be a BwdTuningConfig, got {type(config).__name__}")
+  _check_qkv(q, k, v)
+  for name, x in (("out", out), ("do", do)):
+    if x.shape != q.shape:
+      raise ValueError(f"{name}.shape {x.shape} must equal q.shape {q.shape}")
+  if lse.shape != q.shape[:2]:
+    raise ValueError(f"lse.shape {lse.shape} must be [Tq, Hq] = {q.shape[:2]}")
+  _check_segments(segments)
+  seg = _as_segments(segments)
   tq, hq, d = q.shape
   tk = k.shape[0]
   tqb, tkb = _roundup(tq, 128), _roundup(tk, 128)
@@ -186,11 +282,11 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
   lse2 = jnp.where(jnp.isfinite(lse), lse * fwd_lib._LOG2E, jnp.inf).T
   delta = jnp.pad(delta, ((0, 0), (0, tqb - tq)))
   lse2 = jnp.pad(lse2, ((0, 0), (0, tqb - tq)), constant_values=jnp.inf)
-  z = jnp.zeros_like(seg_len)
-  t_kv = tables_lib.build_task_table(seg_kv_start, seg_len, seg_q_start, seg_len, z, z, num_segs,
-                                     tq=tkb, tk=tqb, block_q=128, block_kv=config.block_q_dkv,
-                                     causal=causal, reverse=True, launch_order=config.task_order,
-                                     xp=jnp)
+  # The dK/dV view: rows are keys, columns are queries.
+  t_kv = tables_lib.build_task_table(seg.kv_start, seg.kv_len, seg.q_start, seg.q_len, seg.kv_pos0,
+                                     seg.q_pos0, seg.num_segs, tq=tkb, tk=tqb, block_q=128,
+                                     block_kv=config.block_q_dkv, causal=causal, reverse=True,
+                                     launch_order=config.task_order, xp=jnp)
 
   def fused():
     acc = jax.new_ref(jnp.zeros((tqb, hq, d), jnp.float32))
@@ -201,8 +297,7 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
     return dq, dk[:tk], dv[:tk]
 
   def two_kernels():
-    t_dq = tables_lib.build_task_table(seg_q_start, seg_len, seg_kv_start, seg_len, z, z,
-                                       num_segs, tq=tqb, tk=tkb, block_q=128,
+    t_dq = tables_lib.build_task_table(*seg, tq=tqb, tk=tkb, block_q=128,
                                        block_kv=config.block_kv_dq, causal=causal,
                                        launch_order=config.task_order, xp=jnp)
     dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
@@ -215,21 +310,39 @@ def pallas_segment_attention_bwd(q, k, v, out, lse, do, seg_q_start, seg_kv_star
 
   mode = _fused_mode(config, d, interpret, tq)
   if mode == "run_time":
-    return jax.lax.cond(config.fused_at_run_time(seg_len, num_segs), fused, two_kernels)
+    return jax.lax.cond(config.fused_at_run_time(seg.q_len, seg.num_segs), fused, two_kernels)
   return fused() if mode == "always" else two_kernels()
+
+
+def segment_attention(q, k, v, segments, *, causal: bool, sm_scale: float,
+                      config: TuningConfig | None = None, interpret: bool = False):
+  """Forward of segment attention (with token positions) on the Mosaic GPU kernel; not
+  differentiable by itself: :func:`segment_attention_bwd` is its backward, given the final
+  out / LSE (the ring executor owns the custom VJP).
+
+  q: [Tq, Hq, D] bf16/f16; k, v: [Tk, Hkv, D]; segments: :class:`tables.Segments`. Returns
+  (out [Tq, Hq, D] q.dtype, lse [Tq, Hq] float32 natural log); rows in no segment, or whose keys
+  are all masked, get out = 0, lse = -inf."""
+  config = TuningConfig() if config is None else config
+  _check_segments(segments)
+  seg = _as_segments(segments)
+  _check(q, k, v, seg, config)
+  if not isinstance(sm_scale, (int, float)):
+    raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
+  return _forward(q, k, v, seg, bool(causal), float(sm_scale), config, bool(interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
 def _varlen(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
             interpret, bwd_impl, bwd_config):
-  return _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
-                  interpret)
+  seg = tables_lib.Segments.self_attention(seg_q_start, seg_kv_start, seg_len, num_segs, xp=jnp)
+  return _forward(q, k, v, seg, causal, sm_scale, config, interpret)
 
 
 def _varlen_fwd(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale, config,
                 interpret, bwd_impl, bwd_config):
-  out, lse = _forward(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, causal, sm_scale,
-                      config, interpret)
+  seg = tables_lib.Segments.self_attention(seg_q_start, seg_kv_start, seg_len, num_segs, xp=jnp)
+  out, lse = _forward(q, k, v, seg, causal, sm_scale, config, interpret)
   return (out, lse), (q, k, v, out, lse, seg_q_start, seg_kv_start, seg_len, num_segs)
 
 
@@ -237,8 +350,9 @@ def _varlen_bwd(causal, sm_scale, config, interpret, bwd_impl, bwd_config, res, 
   q, k, v, out, lse, sqs, sks, sl, ns = res
   do, _ = cts  # the LSE cotangent is not propagated (out is the differentiated output)
   if bwd_impl == "xla":
-    dq, dk, dv = xla_segment_attention_bwd(q, k, v, out, lse, do, sqs, sks, sl, ns,
-                                           causal=causal, sm_scale=sm_scale)
+    seg = tables_lib.Segments.self_attention(sqs, sks, sl, ns, xp=jnp)
+    dq, dk, dv = xla_segment_attention_bwd(q, k, v, out, lse, do, seg, causal=causal,
+                                           sm_scale=sm_scale)
   else:
     dq, dk, dv = pallas_segment_attention_bwd(q, k, v, out, lse, do, sqs, sks, sl, ns,
                                               causal=causal, sm_scale=sm_scale,
@@ -265,7 +379,10 @@ def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, c
   """
   config = TuningConfig() if config is None else config
   seg = tuple(jnp.asarray(a, jnp.int32) for a in (seg_q_start, seg_kv_start, seg_len))
-  _check(q, k, v, seg, config)
+  names = {"q_start": "seg_q_start", "kv_start": "seg_kv_start", "q_len": "seg_len",
+           "kv_len": "seg_len", "q_pos0": "seg_len", "kv_pos0": "seg_len", "num_segs": "num_segs"}
+  _check(q, k, v, tables_lib.Segments.self_attention(*seg, jnp.asarray(num_segs, jnp.int32),
+                                                     xp=jnp), config, names)
   if bwd_impl not in ("pallas", "xla"):
     raise ValueError(f"bwd_impl must be 'pallas' or 'xla', got {bwd_impl!r}")
   if not isinstance(sm_scale, (int, float)):

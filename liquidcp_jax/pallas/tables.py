@@ -9,6 +9,7 @@ segment become "gap" tasks with no keys, so that every output row is written by 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,32 @@ NUM_FIELDS = len(FIELDS)
 LAUNCH_ORDERS = ("work", "segment")  # build_task_table's launch_order
 ROW_ALIGN = 8  # q_base / kv_base are multiples of this (TMA into (8, 64)-tiled SMEM needs it)
 F = {name: i for i, name in enumerate(FIELDS)}
+
+
+class Segments(NamedTuple):
+  """Packed segments with token positions, the kernels' most general input (a pytree).
+
+  ``q_start``, ``q_len``, ``kv_start``, ``kv_len``, ``q_pos0``, ``kv_pos0``: int32 ``[S_cap]``;
+  ``num_segs``: int32 scalar (entries ``>= num_segs`` are ignored). Segment ``s``: queries
+  ``q[q_start : q_start + q_len]`` at positions ``q_pos0 + i`` attend keys ``k[kv_start :
+  kv_start + kv_len]`` at positions ``kv_pos0 + j`` (causal: iff key position <= query position).
+  Segments must not overlap in q, nor in k for the backward. Only relative positions within a
+  segment matter, so a ring step whose keys all precede its queries is one segment with
+  ``q_pos0 >= kv_pos0 + kv_len - 1`` ("full"), whatever the real token positions are.
+  """
+  q_start: object
+  q_len: object
+  kv_start: object
+  kv_len: object
+  q_pos0: object
+  kv_pos0: object
+  num_segs: object
+
+  @classmethod
+  def self_attention(cls, q_start, kv_start, length, num_segs, xp=np):
+    """Packed self-attention: equal query / key lengths, positions from 0 in both."""
+    z = xp.zeros_like(length)
+    return cls(q_start, length, kv_start, length, z, z, num_segs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,8 @@ import jax.experimental.pallas as pl  # noqa: E402
 import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 
 from liquidcp_jax.pallas.sync import RingRelease  # noqa: E402
-from liquidcp_jax.pallas.tile_attention_fwd import _ladder_store, masked_split_loop  # noqa: E402
+from liquidcp_jax.pallas.tile_attention_fwd import (  # noqa: E402
+    _SMEM_LIMIT, _aligned, _ladder_store, masked_split_loop)
 
 _LOG2E = math.log2(math.e)
 
@@ -98,8 +99,9 @@ class BwdTuningConfig:
   vs 55.67 ms) but not on FreeLaw 64K (14 sequences, 4.7K tokens each: 31.13 vs 29.05), hence
   8192. Since the segment launch order (``task_order``, 2026-12-04 run af) it also wins on FreeLaw
   (25.20 vs 26.74 ms) and on 16 sequences of 4096 tokens (15.27 vs 15.81) and ties on Pile-CC
-  64K (70 sequences, 936 tokens on average: 13.37 vs 13.34, run ag), hence 4096 (nothing was
-  measured between 936 and 4096 tokens per sequence).
+  64K (70 sequences, 936 tokens on average: 13.37 vs 13.34, run ag); on uniform batches of 1024
+  and 2048 tokens per sequence the two kernels win (5.39 vs 5.89 and 8.74 vs 8.93 ms, run ai),
+  hence 4096 (the crossover lies between 2048 and 4096; 3072 was not measured).
 
   ``named_barriers``: the compute warpgroups hand SMEM ring slots back to the producer on
   hardware named barriers (:class:`sync.RingRelease`), and the fused kernel's two
@@ -291,13 +293,6 @@ def _mm_t_pair(a1, b1, a2, b2, shape, first_fn):
 
   acc = plgpu.ACC(shape, jnp.float32)
   return pl.run_scoped(scope, acc, acc)
-
-
-_SMEM_LIMIT = 227 * 1024  # per-block dynamic SMEM on sm_90
-
-
-def _aligned(nbytes):
-  return -(-nbytes // 1024) * 1024  # Mosaic GPU aligns every scratch buffer to 1 KiB
 
 
 def smem_bytes(kind: str, config: BwdTuningConfig, head_dim: int, itemsize: int = 2) -> int:

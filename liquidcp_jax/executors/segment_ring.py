@@ -1,0 +1,136 @@
+"""Segment-ring executor: MegaRing's ring with ``lax.ppermute`` transfers and one packed-segment
+attention call per ring step.
+
+Runs inside ``jax.shard_map`` on one device's shard. KV sections travel around their aligned
+size-``g`` rings exactly as in :mod:`liquidcp_jax.executors.xla` (one ``ppermute`` per step and
+section); at step ``t`` the step's Compute task is a single segment-attention call over the
+local queries and the received keys, described by
+:class:`liquidcp_jax.planning.ring_segments.RingSegments` (one segment per sequence, with
+positions), and its ``(out, lse)`` merges into the running state (paper Eq. 1). The backward
+re-circulates KV, calls the segment backward per step with the final ``(out, lse)`` (so the
+steps' shares sum to the full gradients), accumulates dQ locally and returns each step's dK / dV
+straight to their owners.
+
+``compute``: ``"pallas"`` runs :func:`liquidcp_jax.pallas.api.segment_attention` /
+``segment_attention_bwd`` (the Mosaic GPU tile kernels, Hopper); ``"xla"`` runs their chunked XLA
+twins, so the ring's dataflow and segments are checked on a CPU mesh (the Mosaic GPU interpreter
+keeps one global shared-memory model and cannot run inside a multi-device ``shard_map``).
+
+Not yet the fused engine of paper §6: transfers and compute are separate XLA ops (XLA may
+overlap a step's ``ppermute`` with the previous step's kernel, but nothing coalesces tiles by
+readiness), and each step's partial state is merged by XLA in float32.
+
+Shapes (local): ``q: [C, Hq, D]``, ``k, v: [C, Hkv, D]`` with ``C = n_tiles * B``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from liquidcp_jax import state as state_lib
+from liquidcp_jax.executors import xla as xla_exec
+
+COMPUTES = ("pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSpec:
+    """Static facts the executor is traced with (hashable).
+
+    ``ring``: the transfer layout (``xla.ExecSpec``: axis, devices, tile size, sections);
+    ``compute``: one of :data:`COMPUTES`; ``interpret``: run the Pallas kernels in interpret mode;
+    ``fwd_config`` / ``bwd_config``: the Pallas ``TuningConfig`` / ``BwdTuningConfig`` (``None``:
+    defaults).
+    """
+
+    ring: xla_exec.ExecSpec
+    compute: str = "pallas"
+    interpret: bool = False
+    fwd_config: Any = None
+    bwd_config: Any = None
+
+    def __post_init__(self):
+        if self.compute not in COMPUTES:
+            raise ValueError(f"compute must be one of {COMPUTES}, got {self.compute!r}")
+
+
+def _segments(segs, t: int):
+    """Step ``t``'s ``pallas.tables.Segments`` from this device's ``[S, K]`` arrays and ``[S]`` count."""
+    from liquidcp_jax.pallas.tables import Segments
+    *fields, count = segs
+    return Segments(*(f[t] for f in fields), count[t])
+
+
+def _attend(q, k, v, seg, spec: RingSpec):
+    from liquidcp_jax.pallas import api
+    r = spec.ring
+    if spec.compute == "xla":
+        return api.xla_segment_attention(q, k, v, seg, causal=r.causal, sm_scale=r.scale)
+    return api.segment_attention(q, k, v, seg, causal=r.causal, sm_scale=r.scale,
+                                 config=spec.fwd_config, interpret=spec.interpret)
+
+
+def _attend_bwd(q, k, v, out, lse, do, seg, spec: RingSpec):
+    from liquidcp_jax.pallas import api
+    r = spec.ring
+    if spec.compute == "xla":
+        return api.xla_segment_attention_bwd(q, k, v, out, lse, do, seg, causal=r.causal,
+                                             sm_scale=r.scale)
+    return api.segment_attention_bwd(q, k, v, out, lse, do, seg, causal=r.causal,
+                                     sm_scale=r.scale, config=spec.bwd_config,
+                                     interpret=spec.interpret)
+
+
+def _tiles(x, B: int):
+    return x.reshape(x.shape[0] // B, B, *x.shape[1:])
+
+
+def forward(q, k, v, segs, spec: RingSpec):
+    """One device's forward. ``segs``: this device's ring-segment arrays (six ``[S, K]`` int32,
+    then the ``[S]`` count). Returns ``(out [C, Hq, D] q.dtype, lse [C, Hq] f32)``."""
+    B = spec.ring.tile_size
+    C, hq, D = q.shape
+    hkv = k.shape[1]
+    st = state_lib.empty((C, hq), D)
+    for t, k_step, v_step in xla_exec._ring_steps(_tiles(k, B), _tiles(v, B), spec.ring):
+        o, lse = _attend(q, k_step.reshape(-1, hkv, D), v_step.reshape(-1, hkv, D),
+                         _segments(segs, t), spec)
+        st = state_lib.merge(st, (o, lse))
+    return st.out.astype(q.dtype), st.lse
+
+
+def backward(q, k, v, out, lse, do, segs, spec: RingSpec):
+    """One device's backward of ``out`` (the LSE cotangent is not propagated). Returns
+    ``(dq, dk, dv)`` in the input dtypes."""
+    r = spec.ring
+    B = r.tile_size
+    C, hq, D = q.shape
+    hkv = k.shape[1]
+    dq = jnp.zeros((C, hq, D), jnp.float32)
+    zeros = jnp.zeros((C // B, B, hkv, D), jnp.float32)
+    dk, dv = xla_exec._sections(zeros, r), xla_exec._sections(zeros, r)
+    tiles_of = dict(zip(r.section_sizes, r.section_tiles))
+    for t, k_step, v_step in xla_exec._ring_steps(_tiles(k, B), _tiles(v, B), r):
+        dq_t, dk_t, dv_t = _attend_bwd(q, k_step.reshape(-1, hkv, D), v_step.reshape(-1, hkv, D),
+                                       out, lse, do, _segments(segs, t), spec)
+        dq = dq + dq_t.astype(jnp.float32)
+        # The kernels return this step's shares in k.dtype: they travel as such (half the bytes
+        # of float32, no precision to gain) and are summed in float32 by their owners.
+        dk_t, dv_t = _tiles(dk_t, B), _tiles(dv_t, B)
+        o = 0
+        for g in r.slots.step_sections[t]:
+            n = tiles_of[g]
+            dks, dvs = dk_t[o:o + n], dv_t[o:o + n]
+            if t > 0:   # the KV came from member p - t: send its gradient straight back
+                perm = xla_exec._shift_perm(r.num_devices, g, -t)
+                dks = lax.ppermute(dks, r.axis_name, perm)
+                dvs = lax.ppermute(dvs, r.axis_name, perm)
+            dk[g] = dk[g] + dks.astype(jnp.float32)
+            dv[g] = dv[g] + dvs.astype(jnp.float32)
+            o += n
+    dk_all = jnp.concatenate([dk[g] for g in r.section_sizes]).reshape(C, hkv, D)
+    dv_all = jnp.concatenate([dv[g] for g in r.section_sizes]).reshape(C, hkv, D)
+    return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype)
