@@ -19,8 +19,11 @@ For each of the five training datasets and token budget, sampled packed batches
    configurations sit next to the paper's 1.23x forward / 1.18x backward (8 H100s; its baselines
    are FA3/NCCL based, ours are the XLA baselines of this package).
 
-The Pallas engine is not timed: it has no cross-device KV transfer yet (it runs only plans whose
-groups all have size 1), so every multi-device plan here runs on the XLA executor.
+``segring``: the same BuddyRing plan on the segment ring (``megaring.segment_ring_attention``: the
+XLA executor's ``ppermute`` rings with one Pallas segment-kernel call per ring step; on a CPU mesh its
+XLA twin, ``compute="xla"``), checked and timed like the others and reported against the best
+baseline too (``speedup_segring_*``); it is not a baseline. The fused engine of paper §6 (in-kernel
+transfers) does not exist yet.
 
 The JSON (``--out``) is rewritten after every configuration, so a run cut by its time limit keeps what
 it measured. Exit status 1 if a correctness check failed.
@@ -40,7 +43,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import multi_gpu_common as C  # noqa: E402
 
 DATASETS = ("prolong", "arxiv", "freelaw", "github", "pilecc")
-METHODS = ("megaring", "ring", "allgather")
+METHODS = ("megaring", "segring", "ring", "allgather")
+OURS = ("megaring", "segring")   # the rest are baselines
 PAPER = {"fwd": 1.23, "bwd": 1.18}
 TABLE = C.Table(("dataset", "<8"), ("tokens", ">6"), ("seqs", ">4"), ("groups", "<8"), ("method", "<9"),
                 ("fwd ms", ">9.2f"), ("TF/s/GPU", ">8.3g"), ("f+b ms", ">9.2f"), ("TF/s/GPU", ">8.3g"),
@@ -130,6 +134,11 @@ class Runner:
         lcp, tb, ft = self.lcp, self.tb, self.functools
         if method == "megaring":
             return ft.partial(lcp.megaring_attention, backend="xla")
+        if method == "segring":
+            from liquidcp_jax import megaring
+            compute = "pallas" if self.mesh.devices.flat[0].platform == "gpu" else "xla"
+            return ft.partial(megaring.segment_ring_attention, scale=self.args.head_dim ** -0.5,
+                              compute=compute)
         N = plan.static.num_devices
         cap = plan.static.local_capacity
         if method == "ring":
@@ -261,17 +270,20 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
 
 
 def _speedups(rec):
+    """``speedup_<key>``: MegaRing (XLA executor) over the best baseline; ``speedup_segring_<key>``:
+    the segment ring over the same."""
     ms = rec["methods"]
-    mr = ms.get("megaring", {})
-    if "fwd" not in mr:
-        return
-    base = {m: v for m, v in ms.items() if m != "megaring" and "fwd" in v}
+    base = {m: v for m, v in ms.items() if m not in OURS and "fwd" in v}
     if not base:
         return
-    for key, get in (("fwd", lambda v: v["fwd"]["median_ms"]), ("fwdbwd", lambda v: v["fwdbwd"]["median_ms"]),
-                     ("bwd", lambda v: v["bwd_ms"])):
-        rec[f"best_baseline_{key}"], rec[f"speedup_{key}"] = C.best_speedup(
-            {m: get(v) for m, v in base.items()}, get(mr))
+    for ours, prefix in (("megaring", "speedup_"), ("segring", "speedup_segring_")):
+        mr = ms.get(ours, {})
+        if "fwd" not in mr:
+            continue
+        for key, get in (("fwd", lambda v: v["fwd"]["median_ms"]),
+                         ("fwdbwd", lambda v: v["fwdbwd"]["median_ms"]), ("bwd", lambda v: v["bwd_ms"])):
+            rec[f"best_baseline_{key}"], rec[f"{prefix}{key}"] = C.best_speedup(
+                {m: get(v) for m, v in base.items()}, get(mr))
 
 
 def main(argv=None) -> dict:
@@ -290,7 +302,8 @@ def main(argv=None) -> dict:
     R = Runner(mesh, args)
     out = C.new_report("benchmarks/multi_gpu_megaring.py", argv, devices=N, dtype=args.dtype,
                        shape={"hq": args.hq, "hkv": args.hkv, "head_dim": args.head_dim, "tile": args.tile},
-                       pallas_engine="not run: no cross-device KV transfer yet (only all-size-1 plans)",
+                       pallas_engine="segring: ppermute rings + one Pallas segment-kernel call per step "
+                                     "(XLA twin on CPU); no fused in-kernel-transfer engine yet",
                        thresholds=C.TOL, paper_speedups=PAPER, groups_case=None, configs=[])
     log(f"{N} x {devs[0].platform} ({devs[0].device_kind}), jax {jax.__version__}, {args.dtype}, "
         f"Hq={args.hq} Hkv={args.hkv} D={args.head_dim}, tile {args.tile}; methods {args.methods}")
@@ -348,7 +361,7 @@ def main(argv=None) -> dict:
                 buddy = R.plan(lengths, "buddyring")
                 allcp = R.plan(lengths, "all_cp")
                 plan_s = time.perf_counter() - t0
-                placements = {"megaring": buddy, "ring": allcp, "allgather": allcp}
+                placements = {"megaring": buddy, "segring": buddy, "ring": allcp, "allgather": allcp}
                 rec = run_case(R, lengths, placements, inputs_for(T), args, rng, timing=True, budget=budget, log=log)
                 rec.update(dataset=ds, tokens_budget=tok, seed=seed, plan_s=plan_s)
                 for m, v in rec["methods"].items():
@@ -363,7 +376,9 @@ def main(argv=None) -> dict:
     s = out["summary"]
     log(f"geomean speedup over the best baseline ({s['configs_timed']} configurations): "
         f"fwd {C.fmt(s['geomean_speedup_fwd'])}x (paper {PAPER['fwd']}x), bwd {C.fmt(s['geomean_speedup_bwd'])}x "
-        f"(paper {PAPER['bwd']}x), fwd+bwd {C.fmt(s['geomean_speedup_fwdbwd'])}x")
+        f"(paper {PAPER['bwd']}x), fwd+bwd {C.fmt(s['geomean_speedup_fwdbwd'])}x; segment ring: fwd "
+        f"{C.fmt(s['geomean_speedup_segring_fwd'])}x, bwd {C.fmt(s['geomean_speedup_segring_bwd'])}x, "
+        f"fwd+bwd {C.fmt(s['geomean_speedup_segring_fwdbwd'])}x")
     group_sizes = sorted({x for c in out["configs"] for x in c["methods"].get("megaring", {}).get("group_sizes", [])})
     log(f"BuddyRing group sizes seen: {group_sizes}; correctness {'OK' if ok else 'FAILED'}; wrote {args.out}")
     return out
@@ -387,6 +402,8 @@ def summarize(configs) -> dict:
     for key in ("fwd", "bwd", "fwdbwd"):
         s[f"geomean_speedup_{key}"] = C.geomean(c.get(f"speedup_{key}") for c in timed)
         s[f"configs_faster_{key}"] = sum(1 for c in timed if (c.get(f"speedup_{key}") or 0) > 1)
+        s[f"geomean_speedup_segring_{key}"] = C.geomean(
+            c.get(f"speedup_segring_{key}") for c in configs if c.get(f"speedup_segring_{key}") is not None)
     return s
 
 

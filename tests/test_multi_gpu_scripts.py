@@ -28,7 +28,9 @@ def test_megaring_script_tiny(tmp_path):
     assert set(g["errors"]["float32"]) == {"out", "dq", "dk", "dv"}
     assert max(g["errors"]["float32"].values()) < 1e-5
     (cfg,) = res["configs"]
-    assert set(cfg["methods"]) == {"megaring", "ring", "allgather"}
+    assert set(cfg["methods"]) == {"megaring", "segring", "ring", "allgather"}
+    # The segment ring runs the same BuddyRing plan (its XLA twin here, on the CPU mesh).
+    assert cfg["methods"]["segring"]["group_sizes"] == cfg["methods"]["megaring"]["group_sizes"]
     assert len(cfg["methods"]["megaring"]["group_sizes"]) >= 2      # BuddyRing mixes group sizes here
     for m in cfg["methods"].values():
         errs = m["errors"]["float32"]
@@ -40,6 +42,7 @@ def test_megaring_script_tiny(tmp_path):
     for key in ("fwd", "fwdbwd", "bwd"):
         assert cfg[f"best_baseline_{key}"] in ("ring", "allgather") and cfg[f"speedup_{key}"] > 0
     assert res["summary"]["configs_timed"] == 1 and res["summary"]["geomean_speedup_fwd"] > 0
+    assert cfg["speedup_segring_fwdbwd"] > 0 and res["summary"]["geomean_speedup_segring_fwdbwd"] > 0
 
 
 @pytest.mark.slow   # ~12 s on a quiet 2-core CPU; runs by default
