@@ -78,9 +78,14 @@ def test_ring_segments_same_bucket_compiles_once(mesh8, rng):
     @jax.jit
     def step(q, k, v, plan):
         traces.append(1)
-        o = megaring.segment_ring_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan,
-                                            scale=0.25, compute="xla")
-        return jnp.sum(plan.unshard(o) ** 2)
+
+        def loss(q, k, v):
+            o = megaring.segment_ring_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan,
+                                                scale=0.25, compute="xla")
+            return jnp.sum(plan.unshard(o) ** 2)
+
+        val, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return val + sum(jnp.sum(g) for g in grads)
 
     batches = [[100, 28, 291, 9], [250, 170, 8], [428]]
     plans = [lcp.plan_megaring(b, mesh8, placement=mixed_placement(b), tile_size=16) for b in batches]
