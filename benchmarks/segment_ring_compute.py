@@ -82,8 +82,10 @@ def bench(ds, tokens, n_dev, reps, B=128):
     fwd, fwdbwd = make_fns(S)
     per = []
     for d in range(N):
+        # The executor's full key buffers (stale sections included): one kernel shape per kind.
         rows = [np.concatenate([r for _, _, r in receive_parts(lay.section_sizes, lay.section_tiles,
-                                                                B, d, t)]) for t in range(S)]
+                                                                B, d, t, include_stale=True)])
+                for t in range(S)]
         ks = tuple(kc[jnp.asarray(x)] for x in rows)
         vs = tuple(vc[jnp.asarray(x)] for x in rows)
         segs = tuple(Segments(*(jnp.asarray(a[d, t]) for a in rs.arrays()[:6]),

@@ -276,7 +276,9 @@ def _emulated_ring(plan, q, k, v, do, attend, attend_bwd):
     C = st.local_capacity
     rs = plan.ring_segments
     loc = lambda x, d: x[d * C:(d + 1) * C]
-    parts = lambda d, t: receive_parts(st.section_sizes, st.section_tiles, st.tile_size, d, t)
+    # Full buffers, as the executor's (stale sections included): one shape for every step.
+    parts = lambda d, t: receive_parts(st.section_sizes, st.section_tiles, st.tile_size, d, t,
+                                       include_stale=True)
     gather = lambda x, d, t: x[jnp.asarray(np.concatenate([r for _, _, r in parts(d, t)]))]
     seg = lambda d, t: Segments(*(a[d, t] for a in rs.arrays()[:6]), rs.count[d, t])
     steps = int(max(st.section_sizes))
@@ -296,9 +298,14 @@ def _emulated_ring(plan, q, k, v, do, attend, attend_bwd):
             gq, gk, gv = attend_bwd(loc(q, d), gather(k, d, t), gather(v, d, t), loc(out, d),
                                     loc(lse, d), loc(do, d), seg(d, t))
             dq[d * C:(d + 1) * C] += np.asarray(gq, np.float64)
-            rows = np.concatenate([r for _, _, r in parts(d, t)])
-            dk[rows] += np.asarray(gk, np.float64)     # back to the owners of the keys
-            dv[rows] += np.asarray(gv, np.float64)
+            o = 0
+            for _, src, rows in parts(d, t):
+                if src is not None:      # back to the owners of the keys; stale rows get nothing
+                    dk[rows] += np.asarray(gk[o:o + rows.size], np.float64)
+                    dv[rows] += np.asarray(gv[o:o + rows.size], np.float64)
+                else:
+                    assert not np.asarray(gk[o:o + rows.size]).any()
+                o += rows.size
     return np.asarray(out.astype(jnp.float32), np.float64), dq, dk, dv
 
 

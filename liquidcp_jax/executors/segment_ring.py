@@ -2,9 +2,9 @@
 attention call per ring step.
 
 Runs inside ``jax.shard_map`` on one device's shard. KV sections travel around their aligned
-size-``g`` rings exactly as in :mod:`liquidcp_jax.executors.xla` (one ``ppermute`` per step and
-section); at step ``t`` the step's Compute task is a single segment-attention call over the
-local queries and the received keys, described by
+size-``g`` rings as in :mod:`liquidcp_jax.executors.xla` (one ``ppermute`` per step and section);
+at step ``t`` the step's Compute task is a single segment-attention call over the local queries
+and a key buffer laid out as the local one (:func:`_step_buffers`), described by
 :class:`liquidcp_jax.planning.ring_segments.RingSegments` (one segment per sequence, with
 positions), and its ``(out, lse)`` merges into the running state (paper Eq. 1). The backward
 re-circulates KV, calls the segment backward per step with the final ``(out, lse)`` (so the
@@ -88,6 +88,23 @@ def _tiles(x, B: int):
     return x.reshape(x.shape[0] // B, B, *x.shape[1:])
 
 
+def _step_buffers(kt, vt, r: xla_exec.ExecSpec):
+    """Yields ``(t, k_step, v_step)``, each ``[n_tiles, B, Hkv, D]``: every section in layout order,
+    those with ``g > t`` holding what the size-``g`` ring delivered at step ``t``, the others
+    whatever they last held (no segment of step ``t`` reads them). One shape for every step, so
+    every step's kernels are the same kernels (one compile each, not one per step: the XLA
+    executor's prefix buffers change shape with the step)."""
+    ks, vs = xla_exec._sections(kt, r), xla_exec._sections(vt, r)
+    for t, secs in enumerate(r.slots.step_sections):
+        if t > 0:
+            for g in secs:
+                perm = xla_exec._shift_perm(r.num_devices, g, 1)
+                ks[g] = lax.ppermute(ks[g], r.axis_name, perm)
+                vs[g] = lax.ppermute(vs[g], r.axis_name, perm)
+        yield (t, jnp.concatenate([ks[g] for g in r.section_sizes]),
+               jnp.concatenate([vs[g] for g in r.section_sizes]))
+
+
 def forward(q, k, v, segs, spec: RingSpec):
     """One device's forward. ``segs``: this device's ring-segment arrays (six ``[S, K]`` int32,
     then the ``[S]`` count). Returns ``(out [C, Hq, D] q.dtype, lse [C, Hq] f32)``."""
@@ -95,7 +112,7 @@ def forward(q, k, v, segs, spec: RingSpec):
     C, hq, D = q.shape
     hkv = k.shape[1]
     st = state_lib.empty((C, hq), D)
-    for t, k_step, v_step in xla_exec._ring_steps(_tiles(k, B), _tiles(v, B), spec.ring):
+    for t, k_step, v_step in _step_buffers(_tiles(k, B), _tiles(v, B), spec.ring):
         o, lse = _attend(q, k_step.reshape(-1, hkv, D), v_step.reshape(-1, hkv, D),
                          _segments(segs, t), spec)
         st = state_lib.merge(st, (o, lse))
@@ -113,16 +130,16 @@ def backward(q, k, v, out, lse, do, segs, spec: RingSpec):
     zeros = jnp.zeros((C // B, B, hkv, D), jnp.float32)
     dk, dv = xla_exec._sections(zeros, r), xla_exec._sections(zeros, r)
     tiles_of = dict(zip(r.section_sizes, r.section_tiles))
-    for t, k_step, v_step in xla_exec._ring_steps(_tiles(k, B), _tiles(v, B), r):
+    offset_of = dict(zip(r.section_sizes, r.section_offsets))
+    for t, k_step, v_step in _step_buffers(_tiles(k, B), _tiles(v, B), r):
         dq_t, dk_t, dv_t = _attend_bwd(q, k_step.reshape(-1, hkv, D), v_step.reshape(-1, hkv, D),
                                        out, lse, do, _segments(segs, t), spec)
         dq = dq + dq_t.astype(jnp.float32)
         # The kernels return this step's shares in k.dtype: they travel as such (half the bytes
         # of float32, no precision to gain) and are summed in float32 by their owners.
         dk_t, dv_t = _tiles(dk_t, B), _tiles(dv_t, B)
-        o = 0
         for g in r.slots.step_sections[t]:
-            n = tiles_of[g]
+            o, n = offset_of[g], tiles_of[g]
             dks, dvs = dk_t[o:o + n], dv_t[o:o + n]
             if t > 0:   # the KV came from member p - t: send its gradient straight back
                 perm = xla_exec._shift_perm(r.num_devices, g, -t)
@@ -130,7 +147,6 @@ def backward(q, k, v, out, lse, do, segs, spec: RingSpec):
                 dvs = lax.ppermute(dvs, r.axis_name, perm)
             dk[g] = dk[g] + dks.astype(jnp.float32)
             dv[g] = dv[g] + dvs.astype(jnp.float32)
-            o += n
     dk_all = jnp.concatenate([dk[g] for g in r.section_sizes]).reshape(C, hkv, D)
     dv_all = jnp.concatenate([dv[g] for g in r.section_sizes]).reshape(C, hkv, D)
     return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype)

@@ -8,8 +8,10 @@ Zigzag (``layout``): a sequence of length ``L`` in a group of size ``g`` is cut 
 of ``c`` tokens; member ``p`` holds chunks ``p`` (front) and ``2g-1-p`` (back), adjacent in its
 buffer, at the same offset ``a`` on every member, and the valid tokens of the pair are a prefix
 of it (padding sits at positions ``>= L``). At ring step ``t`` member ``p`` holds the pair of member
-``j = (p - t) mod g`` in its receive buffer, at the same offset ``a`` (the step-``t`` buffer is the
-prefix of sections with ``g > t``, laid out as the local one). Causal, per sequence, one segment:
+``j = (p - t) mod g`` in its step-``t`` key buffer, at the same offset ``a``: that buffer is laid out
+as the local one, section by section, sections with ``g > t`` holding what their ring delivered
+(the executor's other sections hold stale data, and the XLA executor's buffer is just the prefix of
+sections with ``g > t``; no segment reads past it). Causal, per sequence, one segment:
 
 - ``t = 0`` (own chunks): queries and keys are the valid prefix of the pair, positions ``0, 1,
   ...`` in both. Pseudo-positions keep the order of the real ones (front < back), so the causal
@@ -126,11 +128,14 @@ def build_ring_segments(layout: DeviceLayout, starts, sizes, lengths, *, causal:
     return RingSegments(out["qs"], out["ql"], out["ks"], out["kl"], out["qp"], out["kp"], count)
 
 
-def receive_parts(section_sizes, section_tiles, tile_size: int, device: int, step: int):
-    """What device ``device`` holds at ring step ``step``, in receive-buffer order: a list of
+def receive_parts(section_sizes, section_tiles, tile_size: int, device: int, step: int,
+                  include_stale: bool = False):
+    """What device ``device`` holds at ring step ``step``, in key-buffer order: a list of
     ``(g, src, rows)`` per section ``g > step``, ``src`` the group member whose section it is
     (``(p - step) mod g``), ``rows`` int64 ``[section_tiles[g] * tile_size]`` its rows in the
-    global CP layout ``[N * capacity]``. For host-side emulation of the ring (tests, benchmarks)."""
+    global CP layout ``[N * capacity]``. ``include_stale``: every section, as the segment-ring
+    executor's buffers hold them, the others with ``src=None`` and the device's own rows (stale
+    data no segment reads). For host-side emulation of the ring (tests, benchmarks)."""
     B = int(tile_size)
     capacity = int(sum(section_tiles)) * B
     parts, off = [], 0
@@ -138,6 +143,8 @@ def receive_parts(section_sizes, section_tiles, tile_size: int, device: int, ste
         if g > step:
             src = (device // g) * g + (device % g - step) % g
             parts.append((int(g), int(src), src * capacity + off + np.arange(n * B)))
+        elif include_stale:
+            parts.append((int(g), None, device * capacity + off + np.arange(n * B)))
         off += n * B
     return parts
 
