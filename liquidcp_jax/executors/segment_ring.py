@@ -89,20 +89,11 @@ def _tiles(x, B: int):
 
 
 def _step_buffers(kt, vt, r: xla_exec.ExecSpec):
-    """Yields ``(t, k_step, v_step)``, each ``[n_tiles, B, Hkv, D]``: every section in layout order,
-    those with ``g > t`` holding what the size-``g`` ring delivered at step ``t``, the others
-    whatever they last held (no segment of step ``t`` reads them). One shape for every step, so
-    every step's kernels are the same kernels (one compile each, not one per step: the XLA
-    executor's prefix buffers change shape with the step)."""
-    ks, vs = xla_exec._sections(kt, r), xla_exec._sections(vt, r)
-    for t, secs in enumerate(r.slots.step_sections):
-        if t > 0:
-            for g in secs:
-                perm = xla_exec._shift_perm(r.num_devices, g, 1)
-                ks[g] = lax.ppermute(ks[g], r.axis_name, perm)
-                vs[g] = lax.ppermute(vs[g], r.axis_name, perm)
-        yield (t, jnp.concatenate([ks[g] for g in r.section_sizes]),
-               jnp.concatenate([vs[g] for g in r.section_sizes]))
+    """``(t, k_step, v_step)``, each ``[n_tiles, B, Hkv, D]``: every section in layout order, those
+    with ``g > t`` holding what the size-``g`` ring delivered at step ``t``, the others stale (no
+    segment of step ``t`` reads them). One shape for every step, so every step's kernels are the
+    same kernels (one compile each, not one per step as with the XLA executor's prefix buffers)."""
+    return xla_exec._ring_steps(kt, vt, r, every_section=True)
 
 
 def forward(q, k, v, segs, spec: RingSpec):

@@ -89,8 +89,10 @@ def _sections(x, spec: ExecSpec):
     return {g: x[o:o + n] for g, o, n in zip(spec.section_sizes, spec.section_offsets, spec.section_tiles)}
 
 
-def _ring_steps(kt, vt, spec: ExecSpec):
-    """Yields ``(t, k_step, v_step)``: the KV tiles received at ring step ``t``."""
+def _ring_steps(kt, vt, spec: ExecSpec, every_section: bool = False):
+    """Yields ``(t, k_step, v_step)``: the KV tiles received at ring step ``t`` (the sections with
+    ``g > t``, a prefix of the layout). ``every_section``: every section in layout order instead,
+    those with ``g <= t`` holding whatever they last held (one shape for every step)."""
     ks, vs = _sections(kt, spec), _sections(vt, spec)
     for t, secs in enumerate(spec.slots.step_sections):
         if t > 0:
@@ -98,7 +100,8 @@ def _ring_steps(kt, vt, spec: ExecSpec):
                 perm = _shift_perm(spec.num_devices, g, 1)
                 ks[g] = lax.ppermute(ks[g], spec.axis_name, perm)
                 vs[g] = lax.ppermute(vs[g], spec.axis_name, perm)
-        yield t, jnp.concatenate([ks[g] for g in secs]), jnp.concatenate([vs[g] for g in secs])
+        out = spec.section_sizes if every_section else secs
+        yield t, jnp.concatenate([ks[g] for g in out]), jnp.concatenate([vs[g] for g in out])
 
 
 def _mask(kind, kv_valid, B: int):

@@ -62,17 +62,16 @@ def _check_qkv(q, k, v):
     raise ValueError(f"Hq/Hkv must be 1, 2, 4 or 8, got Hq={q.shape[1]}, Hkv={k.shape[1]}")
 
 
-def _check(q, k, v, seg: "tables_lib.Segments", config, names=None):
+def _check(q, k, v, config):
   _check_qkv(q, k, v)
-  _check_segments(seg, names)
   if not isinstance(config, TuningConfig):
     raise ValueError(f"config must be a pallas TuningConfig, got {type(config)}")
   fwd_lib.check_smem(config, q.shape[2], jnp.dtype(q.dtype).itemsize)
 
 
-def _check_segments(seg, names=None):
-  """``names``: the caller's argument name per :class:`tables.Segments` field (default
-  ``segments.<field>``)."""
+def _as_segments(seg, names=None) -> "tables_lib.Segments":
+  """Checks ``seg`` (a :class:`tables.Segments`: six [S_cap] arrays and a scalar) and returns it
+  as int32 arrays. ``names``: the caller's argument name per field (default ``segments.<field>``)."""
   if not isinstance(seg, tables_lib.Segments):
     raise ValueError(f"segments must be a pallas.tables.Segments, got {type(seg).__name__}")
   fields = tables_lib.Segments._fields
@@ -86,9 +85,6 @@ def _check_segments(seg, names=None):
                        f"{jnp.shape(a)}")
   if jnp.ndim(seg.num_segs) != 0:
     raise ValueError(f"{names['num_segs']} must be a scalar, got shape {jnp.shape(seg.num_segs)}")
-
-
-def _as_segments(seg: "tables_lib.Segments") -> "tables_lib.Segments":
   return tables_lib.Segments(*(jnp.asarray(a, jnp.int32) for a in seg))
 
 
@@ -150,7 +146,6 @@ def xla_segment_attention(q, k, v, segments, *, causal, sm_scale, chunk=512):
   """Forward in XLA (float32 math, chunks of ``chunk`` query rows): the portable twin of
   :func:`segment_attention` with the same arguments and results (rows in no segment, or whose
   keys are all masked: out = 0, lse = -inf)."""
-  _check_segments(segments)
   seg = _as_segments(segments)
   tq, hq, d = q.shape
   hkv = k.shape[1]
@@ -182,7 +177,6 @@ def xla_segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_sca
   ``out`` / ``lse`` are the final output and natural-log LSE of every query row: when they come
   from more keys than these segments hold (the other steps of a ring), the gradients are this
   call's share, and the shares over all steps sum to the full gradients."""
-  _check_segments(segments)
   seg = _as_segments(segments)
   tq, hq, d = q.shape
   tk, hkv, _ = k.shape
@@ -270,7 +264,6 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
       raise ValueError(f"{name}.shape {x.shape} must equal q.shape {q.shape}")
   if lse.shape != q.shape[:2]:
     raise ValueError(f"lse.shape {lse.shape} must be [Tq, Hq] = {q.shape[:2]}")
-  _check_segments(segments)
   seg = _as_segments(segments)
   tq, hq, d = q.shape
   tk = k.shape[0]
@@ -324,9 +317,8 @@ def segment_attention(q, k, v, segments, *, causal: bool, sm_scale: float,
   (out [Tq, Hq, D] q.dtype, lse [Tq, Hq] float32 natural log); rows in no segment, or whose keys
   are all masked, get out = 0, lse = -inf."""
   config = TuningConfig() if config is None else config
-  _check_segments(segments)
   seg = _as_segments(segments)
-  _check(q, k, v, seg, config)
+  _check(q, k, v, config)
   if not isinstance(sm_scale, (int, float)):
     raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
   return _forward(q, k, v, seg, bool(causal), float(sm_scale), config, bool(interpret))
@@ -381,8 +373,9 @@ def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, c
   seg = tuple(jnp.asarray(a, jnp.int32) for a in (seg_q_start, seg_kv_start, seg_len))
   names = {"q_start": "seg_q_start", "kv_start": "seg_kv_start", "q_len": "seg_len",
            "kv_len": "seg_len", "q_pos0": "seg_len", "kv_pos0": "seg_len", "num_segs": "num_segs"}
-  _check(q, k, v, tables_lib.Segments.self_attention(*seg, jnp.asarray(num_segs, jnp.int32),
-                                                     xp=jnp), config, names)
+  _as_segments(tables_lib.Segments.self_attention(*seg, jnp.asarray(num_segs, jnp.int32), xp=jnp),
+               names)
+  _check(q, k, v, config)
   if bwd_impl not in ("pallas", "xla"):
     raise ValueError(f"bwd_impl must be 'pallas' or 'xla', got {bwd_impl!r}")
   if not isinstance(sm_scale, (int, float)):
