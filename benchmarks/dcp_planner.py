@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from liquidcp_jax.planning import critical_wave as cw  # noqa: E402
-from liquidcp_jax.planning import megadcp as md  # noqa: E402
+from liquidcp_jax.megadcp import critical_wave as cw  # noqa: E402
+from liquidcp_jax.megadcp import tables as md  # noqa: E402
 
 TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"
 

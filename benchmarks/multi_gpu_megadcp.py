@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
 
     import liquidcp_jax as lcp
     from liquidcp_jax.baselines import dcp as B
-    from liquidcp_jax.planning import critical_wave as cw
+    from liquidcp_jax.megadcp import critical_wave as cw
 
     budget = C.Budget(args.budget_s)
     log = budget.log

@@ -175,12 +175,12 @@ def find_all_group_sizes(lengths_for, N: int, datasets, seeds=range(40)):
 
     Returns ``(dataset, seed, lengths, placement, source)`` or ``None``.
     """
-    from liquidcp_jax import planning
+    from liquidcp_jax import placement as placement_lib
     sizes = [1 << i for i in range(N.bit_length())]
     for seed in seeds:
         for ds in datasets:
             lengths = lengths_for(ds, seed)
-            pl = planning.buddyring(lengths, N)
+            pl = placement_lib.buddyring(lengths, N)
             if {g.size for g in pl.groups} >= set(sizes):
                 return ds, seed, lengths, pl, "buddyring"
     for seed in seeds:
@@ -190,8 +190,8 @@ def find_all_group_sizes(lengths_for, N: int, datasets, seeds=range(40)):
                 groups = []
                 for i in range(len(lengths)):
                     g = sizes[::-1][i % len(sizes)]
-                    groups.append(planning.Group((i * g) % N, g))   # aligned: start % size == 0
-                return ds, seed, lengths, planning.Placement(tuple(lengths), N, tuple(groups)), "explicit"
+                    groups.append(placement_lib.Group((i * g) % N, g))   # aligned: start % size == 0
+                return ds, seed, lengths, placement_lib.Placement(tuple(lengths), N, tuple(groups)), "explicit"
     return None
 
 

@@ -24,8 +24,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from liquidcp_jax.cli_plan import evaluate, format_table  # noqa: E402
-from liquidcp_jax.planning import metrics  # noqa: E402
-from liquidcp_jax.planning.buddyring import buddyring_search  # noqa: E402
+from liquidcp_jax.placement import metrics  # noqa: E402
+from liquidcp_jax.placement.buddyring.search import buddyring_search  # noqa: E402
 from liquidcp_jax.workloads import sample_batch  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def exact_shard_check(lengths, devices: int, cap: int, *, time_limit: float,
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from liquidcp_jax.planning.placement import Group, Placement
+    from liquidcp_jax.placement.types import Group, Placement
     L = np.asarray(lengths, dtype=np.int64)
     S, n = len(L), devices
     groups = [(st, g) for g in (1 << k for k in range(8)) if g <= min(n, max_group_size)

@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
-from liquidcp_jax import planning, state as state_lib, workloads  # noqa: E402
-from liquidcp_jax.layout import build_layout  # noqa: E402
+from liquidcp_jax import placement as placement_lib, state as state_lib, workloads  # noqa: E402
+from liquidcp_jax.megaring.layout import build_layout  # noqa: E402
 from liquidcp_jax.pallas import api  # noqa: E402
 from liquidcp_jax.pallas.tables import Segments  # noqa: E402
-from liquidcp_jax.planning.ring_segments import build_ring_segments, receive_parts  # noqa: E402
+from liquidcp_jax.megaring.segments import build_ring_segments, receive_parts  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import causal_fwd_flops, median_time, seg_arrays, seg_capacity  # noqa: E402
@@ -66,7 +66,7 @@ def make_fns(n_steps):
 
 def bench(ds, tokens, n_dev, reps, B=128):
     lens = workloads.sample_batch(ds, tokens, 0).astype(np.int64)
-    pl = planning.buddyring(lens, num_devices=n_dev)
+    pl = placement_lib.buddyring(lens, num_devices=n_dev)
     lay = build_layout(lens, pl.starts, pl.sizes, n_dev, B)
     rs = build_ring_segments(lay, pl.starts, pl.sizes, lens, causal=True)
     T = int(lens.sum())

@@ -5,8 +5,11 @@ Public API::
     import liquidcp_jax as lcp
     plan = lcp.plan_megaring(lengths, mesh, axis_name="cp", placement="buddyring")
     o_cp = lcp.megaring_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
+
+Packages: :mod:`.placement` (BuddyRing and baselines), :mod:`.megaring`, :mod:`.megadcp`,
+:mod:`.executors`, :mod:`.pallas` (Mosaic GPU kernels), :mod:`.baselines`, :mod:`.workloads`.
 """
-from liquidcp_jax import planning, reference, state
+from liquidcp_jax import placement, reference, state
 from liquidcp_jax.megadcp import MegaDcpPlan, megadcp_attention, plan_megadcp
 from liquidcp_jax.megaring import (MegaRingPlan, megaring_attention, megaring_attention_with_lse,
                                    plan_megaring)
@@ -15,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = ["MegaDcpPlan", "megadcp_attention", "plan_megadcp", "MegaRingPlan", "megaring_attention",
            "megaring_attention_with_lse", "plan_megaring",
-           "planning", "reference", "state", "nn"]
+           "placement", "reference", "state", "nn"]
 
 
 def __getattr__(name):

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from liquidcp_jax.planning import metrics
-from liquidcp_jax.planning.baselines import megatron_hybrid_cp, zeppelin
-from liquidcp_jax.planning.buddyring import buddyring
-from liquidcp_jax.planning.placement import all_cp
+from liquidcp_jax.placement import metrics
+from liquidcp_jax.placement.baselines import megatron_hybrid_cp, zeppelin
+from liquidcp_jax.placement.buddyring.search import buddyring
+from liquidcp_jax.placement.types import all_cp
 from liquidcp_jax.workloads import parse_tokens, sample_batch
 
 #: Placement name -> planner ``(lengths, num_devices) -> Placement``.  Megatron runs with

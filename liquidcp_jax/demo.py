@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import liquidcp_jax as lcp
-    from liquidcp_jax import planning, reference as ref
+    from liquidcp_jax import placement as placement_lib, reference as ref
     from liquidcp_jax.workloads import sample_batch
 
     devs = jax.devices("cpu") if args.cpu else jax.devices()
@@ -66,11 +66,7 @@ def main(argv=None) -> int:
           f"{len(lengths)} sequences / {T} tokens (longest {max(lengths)}), Hq={hq} Hkv={hkv} D={d} {dtype.name}")
 
     t0 = time.perf_counter()
-    placement = args.placement
-    if placement == "buddyring" and not hasattr(planning, "buddyring"):
-        print("  (buddyring is not available in this build: using all_cp)")
-        placement = "all_cp"
-    plan = lcp.plan_megaring(lengths, mesh, placement=placement, tile_size=tile)
+    plan = lcp.plan_megaring(lengths, mesh, placement=args.placement, tile_size=tile)
     t_plan = time.perf_counter() - t0
     print(f"  plan: {plan}  ({t_plan * 1e3:.1f} ms)")
 
@@ -114,7 +110,7 @@ def main(argv=None) -> int:
         print(f"  {dev:>6} {int(loads['tokens'][dev]):>8} {int(loads['attention'][dev]):>15} "
               f"{' '.join(here)[:40]:<40}")
     tok, work = loads["tokens"].astype(float), loads["attention"].astype(float)
-    pdt, pdw = planning.imbalance(pl)
+    pdt, pdw = placement_lib.imbalance(pl)
     print(f"  executed (valid tokens / valid causal pairs): D_T = {np.max(np.abs(tok / tok.mean() - 1)) * 100:.2f} %"
           f"   D_W = {np.max(np.abs(work / work.mean() - 1)) * 100:.2f} %")
     print(f"  placement model ({pl.name or 'placement'}, padding to 2g*128 counted): D_T = {pdt * 100:.2f} %"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from liquidcp_jax._checks import check_packed_lengths, check_qkv
+from liquidcp_jax.validation import check_packed_lengths, check_qkv
 
 
 def _einsum(*args):

@@ -3,7 +3,7 @@ import dataclasses
 
 import numpy as np
 
-from liquidcp_jax import planning
+from liquidcp_jax import placement as placement_lib
 
 
 def mixed_placement(lengths, num_devices=8, seed=0):
@@ -14,8 +14,8 @@ def mixed_placement(lengths, num_devices=8, seed=0):
     for i, _ in enumerate(lengths):
         g = min(sizes[i % len(sizes)], num_devices)
         start = int(rng.integers(0, num_devices // g)) * g
-        groups.append(planning.Group(start, g))
-    return planning.Placement(tuple(lengths), num_devices, tuple(groups))
+        groups.append(placement_lib.Group(start, g))
+    return placement_lib.Placement(tuple(lengths), num_devices, tuple(groups))
 
 
 def random_qkv(rng, T, hq, hkv, d, dtype=np.float32):

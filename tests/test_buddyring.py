@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from liquidcp_jax.planning import metrics
-from liquidcp_jax.planning.buddyring import _Problem, buddyring, buddyring_search
-from liquidcp_jax.planning.buddyring_capsearch import size_floor
-from liquidcp_jax.planning.baselines import megatron_hybrid_cp
-from liquidcp_jax.planning.placement import Group, Placement
+from liquidcp_jax.placement import metrics
+from liquidcp_jax.placement.buddyring.search import _Problem, buddyring, buddyring_search
+from liquidcp_jax.placement.buddyring.capsearch import size_floor
+from liquidcp_jax.placement.baselines import megatron_hybrid_cp
+from liquidcp_jax.placement.types import Group, Placement
 from liquidcp_jax.workloads import sample_batch
 
 K = 1024

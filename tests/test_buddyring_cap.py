@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from liquidcp_jax.planning import buddyring_capsearch as cs
-from liquidcp_jax.planning import metrics
-from liquidcp_jax.planning.baselines import megatron_hybrid_cp
-from liquidcp_jax.planning.buddyring import _Problem, _key_of, buddyring, buddyring_search
-from liquidcp_jax.planning.placement import Group, Placement
+from liquidcp_jax.placement.buddyring import capsearch as cs
+from liquidcp_jax.placement import metrics
+from liquidcp_jax.placement.baselines import megatron_hybrid_cp
+from liquidcp_jax.placement.buddyring.search import _Problem, _key_of, buddyring, buddyring_search
+from liquidcp_jax.placement.types import Group, Placement
 from liquidcp_jax.workloads import sample_batch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -66,7 +66,7 @@ def test_below_the_a1_minimum_size():
 
 def test_cap_search_not_run_without_a_cap(monkeypatch):
     import importlib
-    br = importlib.import_module("liquidcp_jax.planning.buddyring")  # the module, not the function
+    br = importlib.import_module("liquidcp_jax.placement.buddyring.search")  # the module, not the function
 
     def boom(*a, **k):
         raise AssertionError("cap_search ran")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from liquidcp_jax.planning import buddyring_minshard as ms
-from liquidcp_jax.planning import metrics
-from liquidcp_jax.planning.baselines import megatron_hybrid_cp
-from liquidcp_jax.planning.buddyring import _Problem, _key_of, buddyring, buddyring_search
+from liquidcp_jax.placement.buddyring import minshard as ms
+from liquidcp_jax.placement import metrics
+from liquidcp_jax.placement.baselines import megatron_hybrid_cp
+from liquidcp_jax.placement.buddyring.search import _Problem, _key_of, buddyring, buddyring_search
 from liquidcp_jax.workloads import sample_batch
 
 K = 1024
@@ -46,7 +46,7 @@ def test_fixed_loads_match_metrics():
     start = ms.construct(fx, pb.order_l)
     x, y = fx.loads(start)
     a = np.asarray([pb.gid[(int(s), int(g))] for s, g in zip(start, size)])
-    from liquidcp_jax.planning.placement import Group, Placement
+    from liquidcp_jax.placement.types import Group, Placement
     p = Placement(tuple(lengths), 8, tuple(Group(int(pb.gstart[k]), int(pb.gsize[k])) for k in a))
     tokens, work = metrics.device_loads(p)
     np.testing.assert_allclose(x, (tokens / tokens.mean() - 1) / 0.10, atol=1e-9)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from liquidcp_jax.planning import critical_wave as cw
-from liquidcp_jax.planning import fa3
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp import fa3
 
 FIG8 = dict(num_ctas=4, rho=0.75, delta_attn=4, delta_red=4, gamma=1.0)
 
@@ -218,7 +218,7 @@ def test_calibrate_recovers_parameters():
 # ----------------------------------------------------------------------------------------------
 
 native = pytest.mark.skipif(not cw.native_available(),
-                            reason="compiled extension liquidcp_jax.planning._cw_native not built")
+                            reason="compiled extension liquidcp_jax.megadcp._cw_native not built")
 ENGINES = ["python"] + (["native"] if cw.native_available() else [])
 
 

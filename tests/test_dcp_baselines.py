@@ -5,7 +5,7 @@ import pytest
 
 import liquidcp_jax as lcp
 from liquidcp_jax.baselines import dcp as B
-from liquidcp_jax.planning import critical_wave as cw
+from liquidcp_jax.megadcp import critical_wave as cw
 
 from test_megadcp import check, dcp_mesh, make_inputs
 

@@ -6,7 +6,7 @@ import pytest
 
 import liquidcp_jax as lcp
 from liquidcp_jax.executors import xla_dcp
-from liquidcp_jax.planning.megadcp import local_history_lengths
+from liquidcp_jax.megadcp.tables import local_history_lengths
 from liquidcp_jax.reference import decode_reference, rel_error
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from _cases import same_tables
-from liquidcp_jax.planning import critical_wave as cw
-from liquidcp_jax.planning import megadcp as md
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp import tables as md
 
 
 def _check_tables(tb, hist, qlen):

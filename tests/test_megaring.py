@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import liquidcp_jax as lcp
-from liquidcp_jax import planning
+from liquidcp_jax import placement as placement_lib
 from liquidcp_jax import reference as ref
 
 from _cases import mixed_placement, random_qkv

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import liquidcp_jax as lcp
-from liquidcp_jax import planning
+from liquidcp_jax import placement as placement_lib
 
 from _cases import mixed_placement, random_qkv
 
@@ -81,7 +81,7 @@ def test_unknown_axis_and_other_mesh(mesh8, rng):
     with pytest.raises(ValueError, match="another mesh"):
         lcp.megaring_attention(sq, sk, sv, plan_other)
     with pytest.raises(ValueError, match="placement.num_devices"):
-        lcp.plan_megaring([40, 24], mesh8, placement=planning.all_cp([40, 24], 4))
+        lcp.plan_megaring([40, 24], mesh8, placement=placement_lib.all_cp([40, 24], 4))
 
 
 def test_pallas_backend_errors_off_hopper(mesh8, rng):

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 
 import liquidcp_jax as lcp
-from liquidcp_jax import megaring, planning
+from liquidcp_jax import megaring, placement as placement_lib
 from liquidcp_jax import reference as ref
 
 from _cases import random_qkv
 
 
 def _local_placement(lengths, n):
-    return planning.Placement(tuple(lengths), n, tuple(planning.Group(i % n, 1) for i in range(len(lengths))))
+    return placement_lib.Placement(tuple(lengths), n, tuple(placement_lib.Group(i % n, 1) for i in range(len(lengths))))
 
 
 def _check(plan, lengths, q, k, v, do, run):

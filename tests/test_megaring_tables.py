@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as hst
 
-from liquidcp_jax import planning
-from liquidcp_jax.layout import build_layout, chunk_tokens
-from liquidcp_jax.planning.megaring_tables import (MASK_DIAG, MASK_FULL, build_tables, claim_tasks,
+from liquidcp_jax import placement as placement_lib
+from liquidcp_jax.megaring.layout import build_layout, chunk_tokens
+from liquidcp_jax.megaring.tables import (MASK_DIAG, MASK_FULL, build_tables, claim_tasks,
                                                    coalescing_thresholds, pool_sources)
 
 
@@ -58,8 +58,8 @@ def _random_placement(data, lengths, N):
     for _ in lengths:
         g = data.draw(hst.sampled_from([s for s in (1, 2, 4, 8) if s <= N]))
         start = data.draw(hst.integers(0, N // g - 1)) * g
-        groups.append(planning.Group(start, g))
-    return planning.Placement(tuple(lengths), N, tuple(groups))
+        groups.append(placement_lib.Group(start, g))
+    return placement_lib.Placement(tuple(lengths), N, tuple(groups))
 
 
 @settings(max_examples=25, deadline=None)
@@ -114,7 +114,7 @@ def test_thresholds_eq3():
     assert coalescing_thresholds(1) == (1, 4)
     assert coalescing_thresholds(3) == (2, 12)
     lengths = [1024, 100]
-    pl = planning.Placement(tuple(lengths), 8, (planning.Group(0, 4), planning.Group(4, 1)))
+    pl = placement_lib.Placement(tuple(lengths), 8, (placement_lib.Group(0, 4), placement_lib.Group(4, 1)))
     _, _, info = _plan(lengths, pl, 16, True, task_tiles=64)
     # H = L / (2 g B) tiles per zigzag half-shard: 1024/(2*4*16) = 8; 100 -> ceil(100/32) = 4 (g = 1)
     assert list(info.half_tiles) == [8, 4]

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from liquidcp_jax.planning import metrics
-from liquidcp_jax.planning.baselines import megatron_hybrid_cp, megatron_schedule, zeppelin
-from liquidcp_jax.planning.placement import Group, Placement, all_cp
+from liquidcp_jax.placement import metrics
+from liquidcp_jax.placement.baselines import megatron_hybrid_cp, megatron_schedule, zeppelin
+from liquidcp_jax.placement.types import Group, Placement, all_cp
 
 K = 1024
 FIG7 = [24 * K, 24 * K, 14 * K, 2 * K]

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from _cases import same_tables
-from liquidcp_jax.planning import critical_wave as cw
-from liquidcp_jax.planning import fa3
-from liquidcp_jax.planning import megadcp as md
-from liquidcp_jax.planning import split_search as ss
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp import fa3
+from liquidcp_jax.megadcp import tables as md
+from liquidcp_jax.megadcp import split_search as ss
 
 pytestmark = pytest.mark.skipif(not cw.native_available(),
-                                reason="compiled extension liquidcp_jax.planning._cw_native not built")
+                                reason="compiled extension liquidcp_jax.megadcp._cw_native not built")
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import liquidcp_jax as lcp
-from liquidcp_jax import megaring, planning
+from liquidcp_jax import megaring, placement as placement_lib
 from liquidcp_jax import reference as ref
-from liquidcp_jax.layout import build_layout
-from liquidcp_jax.planning.ring_segments import build_ring_segments, coverage, receive_parts, step_segment
+from liquidcp_jax.megaring.layout import build_layout
+from liquidcp_jax.megaring.segments import build_ring_segments, coverage, receive_parts, step_segment
 
 from _cases import mixed_placement, random_qkv
 
@@ -21,9 +21,9 @@ def _placements(rng, n_dev=8):
         lengths = rng.integers(1, 600, rng.integers(1, 12))
         kind = trial % 3
         if kind == 0:
-            yield lengths, planning.buddyring(lengths, num_devices=n_dev)
+            yield lengths, placement_lib.buddyring(lengths, num_devices=n_dev)
         elif kind == 1:
-            yield lengths, planning.all_cp(lengths, num_devices=n_dev)
+            yield lengths, placement_lib.all_cp(lengths, num_devices=n_dev)
         else:
             yield lengths, mixed_placement(lengths, n_dev, seed=trial)
 
@@ -148,14 +148,14 @@ def test_pallas_backend_runs_the_segment_ring_for_groups(mesh8, rng, monkeypatch
     calls = []
     real = megaring.segment_ring_attention
     monkeypatch.setattr(pallas_api, "is_supported", lambda dtype, d: (True, ""))
-    monkeypatch.setattr(megaring, "segment_ring_attention",
+    monkeypatch.setattr(megaring.ops, "segment_ring_attention",
                         lambda *a, **kw: calls.append(kw) or real(*a, **{**kw, "compute": "xla"}))
     args = (plan.shard(q), plan.shard(k), plan.shard(v), plan)
     out = plan.unshard(lcp.megaring_attention(*args, backend="pallas"))
     assert len(calls) == 1
     ro, _ = ref.attention_reference(*_f64(q, k, v), lengths)
     assert ref.rel_error(out, ro) < 2e-2
-    assert megaring._resolve_backend("auto", args[0], 64, plan) == "xla"
+    assert megaring.ops._resolve_backend("auto", args[0], 64, plan) == "xla"
     lcp.megaring_attention(*args, backend="auto")
     assert len(calls) == 1
 
@@ -330,8 +330,8 @@ def test_emulated_ring_pallas_interpret(rng):
     from liquidcp_jax.pallas import api
     from liquidcp_jax.pallas import tile_attention_bwd as bwd
     lengths = [150, 37, 1]
-    pl = planning.Placement(tuple(lengths), 2, (planning.Group(0, 2), planning.Group(1, 1),
-                                               planning.Group(0, 1)))
+    pl = placement_lib.Placement(tuple(lengths), 2, (placement_lib.Group(0, 2), placement_lib.Group(1, 1),
+                                               placement_lib.Group(0, 1)))
     # Host-side plan: the interpreter runs on one device (plan.shard would spread rows over two).
     plan = _host_plan(lengths, pl, build_layout(lengths, pl.starts, pl.sizes, 2, 64))
     cfg = bwd.BwdTuningConfig(fused=False)

@@ -26,10 +26,11 @@ from jax import lax
 
 from liquidcp_jax import state as st
 from liquidcp_jax.executors import xla_dcp
-from liquidcp_jax.megadcp import MegaDcpPlan, plan_megadcp, run_dcp, validate_batch
-from liquidcp_jax.planning import critical_wave as cw
-from liquidcp_jax.planning.megadcp import local_history_lengths
-from liquidcp_jax.planning.split_search import fa3_reference_splits
+from liquidcp_jax.megadcp.ops import run_dcp
+from liquidcp_jax.megadcp.plan import MegaDcpPlan, plan_megadcp, validate_batch
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp.tables import local_history_lengths
+from liquidcp_jax.megadcp.split_search import fa3_reference_splits
 
 __all__ = ["plan_dcp_baseline", "fa3_plan_splits", "vllm_ag_rs_attention", "vllm_a2a_attention",
            "sglang_ag_ar_attention", "BASELINES"]

@@ -28,7 +28,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from liquidcp_jax import state as st
-from liquidcp_jax.megaring import MegaRingPlan, _check_inputs, _constrain
+from liquidcp_jax.megaring.ops import _check_inputs
+from liquidcp_jax.megaring.plan import MegaRingPlan
+from liquidcp_jax.util import constrain as _constrain
 
 
 def _token_meta(plan: MegaRingPlan):

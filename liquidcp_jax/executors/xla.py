@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from liquidcp_jax.planning.megaring_tables import MASK_DIAG, MASK_FULL, SlotLayout
+from liquidcp_jax.megaring.tables import MASK_DIAG, MASK_FULL, SlotLayout
 
 DEFAULT_MEMORY_BUDGET = 512 * 2 ** 20
 

@@ -2,7 +2,7 @@
 
 Runs inside ``jax.shard_map`` on one rank of a DCP group of ``P`` ranks sharing one KV head.
 Rank ``r`` owns query heads ``[r * hq, (r + 1) * hq)`` of every request and the interleaved
-shard of every history (``planning/megadcp.py``). The stages of Fig. 2(b), per rank:
+shard of every history (``megadcp/tables.py``). The stages of Fig. 2(b), per rank:
 
 1. chunk attention: its ``hq`` heads, causal over the appended tokens (replicated new KV);
 2. query all-gather: ``[Tq, hq, D] -> [Tq, H, D]`` (``H = P * hq``);
@@ -33,36 +33,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from liquidcp_jax import state as st
+from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape
 
 # Traces of the per-rank program, keyed by the combine stage's name: tests count recompilations.
 TRACES: collections.Counter = collections.Counter()
-
-
-@dataclasses.dataclass(frozen=True)
-class DcpShape:
-    """The capacities a per-rank program is traced with (hashable; capacities, not counts).
-
-    One field list for both sides of the split: the plan's compile key (``megadcp.DcpStatic``)
-    extends it with host facts, :class:`DcpSpec` with the call's softmax scale.
-    """
-
-    axis_name: str
-    dcp: int
-    hq: int
-    tile: int
-    q_tile_tokens: int
-    chunk_q_tile_tokens: int
-    tq_cap: int
-    hist_cap: int
-    task_slots: int
-    red_inputs: int
-    red_run: int
-    chunk_pair_block: int = 1 << 30     # pairs evaluated at once (bounds temporary memory)
-    hist_pair_block: int = 1 << 30
-
-    @property
-    def heads(self) -> int:
-        return self.dcp * self.hq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,39 +53,6 @@ class DcpSpec(DcpShape):
         return cls(**shape, scale=float(scale))
 
 
-class DcpExecTables(NamedTuple):
-    """Executor tables, each ``[P, cap]`` int32 (row ``r`` is rank ``r``'s copy).
-
-    Chunk pairs (one chunk task x one KV tile of the appended tokens): ``cp_row`` packed row of
-    the task's first query; ``cp_nq`` its query tokens (0: padding); ``cp_qpos`` / ``cp_kpos``
-    request-local positions of the first query / first key; ``cp_krow`` packed row of the first key.
-
-    History pairs (one history task x one KV tile of its split): ``hp_task`` task slot;
-    ``hp_row`` packed row of the task's first query; ``hp_nq`` its query tokens (0: padding);
-    ``hp_kloc`` local-shard index of the tile's first key; ``hp_kn`` valid keys of the tile on
-    this rank (0 where this rank's shard ends before the split).
-
-    History reductions: ``red_row`` packed row of the query tile's first token; ``red_vec_start``
-    / ``red_vec_count`` its vectors (``(token - q_start) * H + head``); ``red_input_start`` /
-    ``red_input_count`` into ``reduction_inputs`` (task slots of the tile's splits).
-    """
-
-    cp_row: np.ndarray
-    cp_nq: np.ndarray
-    cp_qpos: np.ndarray
-    cp_kpos: np.ndarray
-    cp_krow: np.ndarray
-    hp_task: np.ndarray
-    hp_row: np.ndarray
-    hp_nq: np.ndarray
-    hp_kloc: np.ndarray
-    hp_kn: np.ndarray
-    red_row: np.ndarray
-    red_vec_start: np.ndarray
-    red_vec_count: np.ndarray
-    red_input_start: np.ndarray
-    red_input_count: np.ndarray
-    reduction_inputs: np.ndarray
 
 
 def _pair_states(qg, kg, vg, mask, scale: float):

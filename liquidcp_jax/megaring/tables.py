@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-from liquidcp_jax.layout import DeviceLayout, _bucket
+from liquidcp_jax.megaring.layout import DeviceLayout
+from liquidcp_jax.util import pow2_bucket
 
 MASK_NONE, MASK_FULL, MASK_DIAG = 0, 1, 2
 
@@ -205,8 +206,8 @@ def build_tables(layout: DeviceLayout, starts, sizes, lengths, *, causal: bool,
                 for t, c0, e0 in claim_tasks(arrivals, int(tmin_eff[i]), int(tmax_eff[i])):
                     fwd[d][t].append((off + a, logical[c0:e0]))
 
-    K = _bucket(max((len(x) for row in fwd for x in row), default=1))
-    P = _bucket(max((len(x) for row in bwd for x in row), default=1))
+    K = pow2_bucket(max((len(x) for row in fwd for x in row), default=1))
+    P = pow2_bucket(max((len(x) for row in bwd for x in row), default=1))
     if min_caps:
         K = max(K, int(min_caps.get("fwd_tasks", 0)))
         P = max(P, int(min_caps.get("bwd_pairs", 0)))

@@ -37,11 +37,8 @@ import dataclasses
 
 import numpy as np
 
-from liquidcp_jax.layout import DeviceLayout
-
-
-def _bucket(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
+from liquidcp_jax.megaring.layout import DeviceLayout
+from liquidcp_jax.util import pow2_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +104,7 @@ def build_ring_segments(layout: DeviceLayout, starts, sizes, lengths, *, causal:
             d = int(s) + p
             a = int(np.nonzero(layout.tile_seq[d] == i)[0][0]) * B
             per_dev[d].append((i, p, a))
-    K = max(_bucket(max(len(x) for x in per_dev)), _bucket(min_capacity))
+    K = pow2_bucket(max(len(x) for x in per_dev), min_capacity)
     out = {f: np.zeros((N, S, K), np.int32) for f in ("qs", "ql", "ks", "kl", "qp", "kp")}
     count = np.zeros((N, S), np.int32)
     for d in range(N):
@@ -176,3 +173,23 @@ def coverage(rs: RingSegments, layout: DeviceLayout, starts, sizes, lengths, *, 
                 qi, ki = np.nonzero(vis)
                 np.add.at(cnt[i], (tok_pos[d, qrow[qi]], tok_pos[src, krow[ki]]), 1)
     return cnt
+
+
+def local_segments(layout, pl, min_capacity: int = 1):
+    """Per-device contiguous local sequences (size-1 groups keep chunks 0 and 1 adjacent)."""
+    N, n_tiles = layout.tile_seq.shape
+    B = layout.shard_src.shape[0] // (N * n_tiles)
+    rows = [[] for _ in range(N)]
+    for i, (g, L) in enumerate(zip(pl.groups, pl.lengths)):
+        if g.size == 1:
+            first = int(np.nonzero(layout.tile_seq[g.start] == i)[0][0])
+            rows[g.start].append((first * B, L))
+    cap = pow2_bucket(max(len(r) for r in rows), min_capacity)
+    start = np.zeros((N, cap), np.int32)
+    length = np.zeros((N, cap), np.int32)
+    count = np.zeros((N, 1), np.int32)
+    for d, r in enumerate(rows):
+        count[d, 0] = len(r)
+        for j, (a, L) in enumerate(r):
+            start[d, j], length[d, j] = a, L
+    return start, length, count

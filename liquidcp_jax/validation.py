@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from liquidcp_jax.planning.placement import validate_lengths
-
 
 def check_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", same_tokens=True) -> tuple[int, int, int, int]:
     """Checks ``q: [T, Hq, D]``, ``k, v: [Tk, Hkv, D]``; returns ``(T, Hq, Hkv, D)``."""
@@ -34,3 +32,25 @@ def check_packed_lengths(lengths, total: int, *, name: str = "lengths", allow_ze
     if sum(lengths) != total:
         raise ValueError(f"{name} sum to {sum(lengths)}; expected {total} (the packed token count)")
     return lengths
+
+
+def validate_lengths(lengths, *, name: str = "lengths", allow_zero: bool = False) -> tuple[int, ...]:
+    """Returns ``lengths`` as a tuple of Python ints, or raises ``ValueError``.
+
+    Args:
+      lengths: 1-D sequence of sequence lengths (tokens), non-empty.
+      allow_zero: whether zero-length entries are accepted.
+    """
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        if not np.all(np.equal(np.mod(arr, 1), 0)):
+            raise ValueError(f"{name} must be integers, got {list(arr)[:8]}")
+    arr = arr.astype(np.int64)
+    lo = 0 if allow_zero else 1
+    bad = np.nonzero(arr < lo)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {int(arr[i])}; expected every length >= {lo}")
+    return tuple(int(x) for x in arr)

@@ -37,8 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
-from liquidcp_jax.planning import critical_wave as cw
-from liquidcp_jax.planning.fa3 import fa3_dynamic_splits, fa3_static_num_splits
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp.fa3 import fa3_dynamic_splits, fa3_static_num_splits
 
 QUERY_BLOCK = 16  # tokens per query transfer block (A.2 / A.3)
 DECODE_MAX_QUERY = 16  # query tokens of a decode request (§5.2)

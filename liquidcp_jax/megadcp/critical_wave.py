@@ -47,14 +47,14 @@ from typing import Sequence
 
 import numpy as np
 
-from liquidcp_jax.planning.fa3 import (fa3_dynamic_splits, fa3_num_splits,  # noqa: F401
+from liquidcp_jax.megadcp.fa3 import (fa3_dynamic_splits, fa3_num_splits,  # noqa: F401
                                        fa3_static_num_splits, num_splits_heuristic)
 
 ORDERS = ("fifo", "lpt")
 ENGINES = ("auto", "native", "python")
 
 try:  # the compiled simulator and search, built by `pip install` (setuptools ext-modules)
-    from liquidcp_jax.planning import _cw_native
+    from liquidcp_jax.megadcp import _cw_native
 except ImportError:  # plain source tree (e.g. PYTHONPATH on another machine): pure Python
     _cw_native = None
 
@@ -74,7 +74,7 @@ def _engine(engine: str) -> str:
     if engine == "auto":
         engine = _DEFAULT_ENGINE if _DEFAULT_ENGINE in ENGINES else "auto"
     if engine == "native" and _cw_native is None:
-        raise ValueError("engine='native' needs the compiled extension liquidcp_jax.planning."
+        raise ValueError("engine='native' needs the compiled extension liquidcp_jax.megadcp."
                          "_cw_native (build it with `pip install -e .`); use engine='auto'")
     if engine == "auto":
         return "python" if _cw_native is None else "native"
@@ -589,7 +589,7 @@ def release_aware_epochs(task_cost: Sequence[float], query_blocks: Sequence[int]
 
 
 _LAZY = {"SplitPlan": "split_search", "plan_splits": "split_search",
-         "fa3_reference_splits": "split_search", "calibrate": "cw_calibrate"}
+         "fa3_reference_splits": "split_search", "calibrate": "calibrate"}
 
 
 def __getattr__(name):
@@ -597,5 +597,5 @@ def __getattr__(name):
     # live in their own modules (which import this one), so they are re-exported lazily.
     if name in _LAZY:
         import importlib  # noqa: PLC0415
-        return getattr(importlib.import_module(f"liquidcp_jax.planning.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(f"liquidcp_jax.megadcp.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,14 +47,14 @@ from typing import Sequence
 
 import numpy as np
 
-from liquidcp_jax.planning.baselines import megatron_hybrid_cp
-from liquidcp_jax.planning.metrics import (ALIGN, LENGTH_CUTOFFS, attention_work, length_class,
+from liquidcp_jax.placement.baselines import megatron_hybrid_cp
+from liquidcp_jax.placement.metrics import (ALIGN, LENGTH_CUTOFFS, attention_work, length_class,
                                            min_group_sizes, padded_length)
-from liquidcp_jax.planning._pareto import crowding_distance, dense_rank, nondominated
-from liquidcp_jax.planning.buddyring_fillers import _Beam, _place_fillers
-from liquidcp_jax.planning.buddyring_capsearch import cap_search
-from liquidcp_jax.planning.buddyring_minshard import balance, candidates
-from liquidcp_jax.planning.placement import Group, Placement, _is_pow2, validate_lengths
+from liquidcp_jax.placement.buddyring.pareto import crowding_distance, dense_rank, nondominated
+from liquidcp_jax.placement.buddyring.fillers import _Beam, _place_fillers
+from liquidcp_jax.placement.buddyring.capsearch import cap_search
+from liquidcp_jax.placement.buddyring.minshard import balance, candidates
+from liquidcp_jax.placement.types import Group, Placement, _is_pow2, validate_lengths
 
 _HASH = (np.random.default_rng(20261202).integers(1, 2 ** 62, size=4096) | 1).astype(np.int64)
 _ROUND = 12  # decimals kept when floats enter a lexicographic key (absorbs summation noise)

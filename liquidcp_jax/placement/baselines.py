@@ -1,6 +1,6 @@
 """Baseline placements: Megatron hybrid CP and a Zeppelin reconstruction (paper §7, B.1).
 
-Both return :class:`~liquidcp_jax.planning.placement.Placement` so every metric
+Both return :class:`~liquidcp_jax.placement.types.Placement` so every metric
 and executor treats them like BuddyRing.  Written from the step-by-step
 descriptions in ``research/training_cp_anchors.md`` ("Baseline planners to
 implement"); no code is copied.
@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from liquidcp_jax.planning.metrics import attention_work
-from liquidcp_jax.planning.placement import Group, Placement, _is_pow2, validate_lengths
+from liquidcp_jax.placement.metrics import attention_work
+from liquidcp_jax.placement.types import Group, Placement, _is_pow2, validate_lengths
 
 
 def _check_devices(num_devices) -> int:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from liquidcp_jax.planning.buddyring_minshard import (_TOL, _Fixed, _lt, _orders, _score, construct,
+from liquidcp_jax.placement.buddyring.minshard import (_TOL, _Fixed, _lt, _orders, _score, construct,
                                                       local_search, seed_size_vectors)
 
 _SEED = 20261203  # fixed generator seed of the kicks (determinism)

@@ -38,15 +38,15 @@ from typing import Sequence
 
 import numpy as np
 
-from liquidcp_jax.planning import critical_wave as cw
-from liquidcp_jax.planning import split_search as ss
-from liquidcp_jax.planning.split_search import QUERY_BLOCK, SplitPlan, plan_splits
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp import split_search as ss
+from liquidcp_jax.megadcp.split_search import QUERY_BLOCK, SplitPlan, plan_splits
+from liquidcp_jax.util import pow2_bucket, ranges as _ranges
 
 
 def bucket(n: int, min_capacity: int = 8) -> int:
-    """Capacity bucket: the next power of two ``>= max(n, min_capacity)``."""
-    n = max(int(n), int(min_capacity), 1)
-    return 1 << (n - 1).bit_length()
+    """Table capacity: :func:`~liquidcp_jax.util.pow2_bucket` with MegaDCP's floor of 8 rows."""
+    return pow2_bucket(n, min_capacity)
 
 
 def local_history_lengths(history_lengths: Sequence[int], dcp: int) -> np.ndarray:
@@ -161,11 +161,6 @@ def _pad(a, cap: int, fill: int = 0) -> np.ndarray:
     return out
 
 
-def _ranges(counts: np.ndarray):
-    """For counts ``c``: (owner index per element, index within owner) of ``sum(c)`` elements."""
-    owner = np.repeat(np.arange(counts.size), counts)
-    within = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    return owner, within
 
 
 _PACK_FIELDS = (

@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from liquidcp_jax.util import pow2_bucket
+
 
 def chunk_tokens(length: int, group_size: int, tile_size: int) -> int:
     """Tokens per zigzag chunk ``c``: ``ceil(L / (2 g B)) * B``."""
@@ -60,12 +62,6 @@ class DeviceLayout:
         return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.section_tiles)[:-1]]))
 
 
-def _bucket(n: int, minimum: int = 1) -> int:
-    """Capacity bucket: the next power of two, so nearby batches share one compiled program."""
-    n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
-
-
 def build_layout(lengths, starts, sizes, num_devices: int, tile_size: int,
                  section_capacity: dict[int, int] | None = None) -> DeviceLayout:
     """Lays sequences out on devices (zigzag within each group).
@@ -91,7 +87,7 @@ def build_layout(lengths, starts, sizes, num_devices: int, tile_size: int,
         need[g][s:s + g] += 2 * chunk[i] // B
     sec_tiles = []
     for g in sec_sizes:
-        cap = _bucket(need[g].max())
+        cap = pow2_bucket(need[g].max())
         if section_capacity and g in section_capacity:
             cap = max(cap, int(section_capacity[g]))
         sec_tiles.append(cap)

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from liquidcp_jax.planning.placement import Placement
+from liquidcp_jax.placement.types import Placement
 
 #: Length-class cutoffs of the splitting profile (paper A.1), in tokens.
 LENGTH_CUTOFFS = (2048, 4096, 8192, 16384)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from liquidcp_jax.planning import critical_wave as cw
+from liquidcp_jax.megadcp import critical_wave as cw
 
 _DEFAULT_RHO = tuple(np.round(np.arange(0.05, 1.0001, 0.01), 4))
 _DEFAULT_DELTA = tuple(float(x) for x in range(0, 65))

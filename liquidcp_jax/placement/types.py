@@ -12,31 +12,13 @@ from typing import Sequence
 
 import numpy as np
 
+from liquidcp_jax.validation import validate_lengths  # noqa: F401  (re-exported)
+
 
 def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def validate_lengths(lengths, *, name: str = "lengths", allow_zero: bool = False) -> tuple[int, ...]:
-    """Returns ``lengths`` as a tuple of Python ints, or raises ``ValueError``.
-
-    Args:
-      lengths: 1-D sequence of sequence lengths (tokens), non-empty.
-      allow_zero: whether zero-length entries are accepted.
-    """
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        if not np.all(np.equal(np.mod(arr, 1), 0)):
-            raise ValueError(f"{name} must be integers, got {list(arr)[:8]}")
-    arr = arr.astype(np.int64)
-    lo = 0 if allow_zero else 1
-    bad = np.nonzero(arr < lo)[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {int(arr[i])}; expected every length >= {lo}")
-    return tuple(int(x) for x in arr)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -93,7 +75,7 @@ class Placement:
                 f"groups has {len(self.groups)} entries; expected one per sequence ({len(self.lengths)})")
         for i, g in enumerate(self.groups):
             if not isinstance(g, Group):
-                raise ValueError(f"groups[{i}] must be a planning.Group, got {type(g).__name__}")
+                raise ValueError(f"groups[{i}] must be a placement.Group, got {type(g).__name__}")
             if g.start + g.size > self.num_devices:
                 raise ValueError(
                     f"groups[{i}] = {g} does not fit on num_devices={self.num_devices}")

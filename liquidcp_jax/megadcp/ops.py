@@ -1,0 +1,115 @@
+"""MegaDCP's op: ``megadcp_attention`` runs one planned decode step (paper §2.1 "Decoding", §5,
+Fig. 2(b)) on the XLA executor.
+
+    plan = lcp.plan_megadcp(history_lengths, query_lengths, mesh, "dcp", num_q_heads=Hq)
+    k_sh, v_sh = plan.shard_history(k_hist), plan.shard_history(v_hist)   # [sum(hist), 1, D] packed
+    o = lcp.megadcp_attention(q, k_new, v_new, k_sh, v_sh, plan)           # q: [Tq, Hq, D]
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from liquidcp_jax.executors import xla_dcp
+from liquidcp_jax.megadcp.exec_tables import DcpExecTables
+from liquidcp_jax.megadcp.plan import MegaDcpPlan
+from liquidcp_jax.util import constrain as _constrain
+
+def _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout: str):
+    """Validates shapes; returns ``(D, hist_is_packed)``."""
+    if not isinstance(plan, MegaDcpPlan):
+        raise ValueError(f"plan must be a MegaDcpPlan from lcp.plan_megadcp; got {type(plan).__name__}")
+    s = plan.static
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_hist", k_hist), ("v_hist", v_hist)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{name} must have shape [T, H, D]; got shape {getattr(x, 'shape', None)}")
+    Tq, Hq, D = q.shape
+    if Hq != s.num_q_heads:
+        raise ValueError(f"q has {Hq} heads; expected num_q_heads={s.num_q_heads} (the plan's; a "
+                         f"multiple of P={s.dcp})")
+    if s.head_dim is not None and D != s.head_dim:
+        raise ValueError(f"q head dim {D}; expected head_dim={s.head_dim} (the plan's)")
+    n_q = plan.num_query_tokens
+    if (n_q is not None and Tq != n_q) or Tq > s.tq_cap:
+        raise ValueError(f"q has {Tq} tokens; expected sum(query_lengths)={n_q if n_q is not None else '?'} "
+                         f"(<= capacity {s.tq_cap})")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(x.shape) != (Tq, 1, D):
+            raise ValueError(f"{name} must have shape [Tq={Tq}, 1, D={D}] (one KV head per DCP group); "
+                             f"got {tuple(x.shape)}")
+    if tuple(v_hist.shape) != tuple(k_hist.shape):
+        raise ValueError(f"v_hist.shape {tuple(v_hist.shape)} must equal k_hist.shape {tuple(k_hist.shape)}")
+    if tuple(k_hist.shape[1:]) != (1, D):
+        raise ValueError(f"k_hist must have shape [N, 1, D={D}]; got {tuple(k_hist.shape)}")
+    dts = {np.dtype(x.dtype) for x in (q, k_new, v_new, k_hist, v_hist)}
+    if len(dts) != 1:
+        raise ValueError(f"q, k_new, v_new, k_hist, v_hist must share one dtype; got {sorted(map(str, dts))}")
+    n, laid, n_h = k_hist.shape[0], plan.history_capacity, plan.num_history_tokens
+    if history_layout not in ("auto", "packed", "sharded"):
+        raise ValueError(f'history_layout must be "auto", "packed" or "sharded"; got {history_layout!r}')
+    fits_sharded = n == laid
+    fits_packed = n == n_h if n_h is not None else not fits_sharded
+    if history_layout == "auto":
+        if fits_sharded and fits_packed:
+            raise ValueError(f"k_hist has {n} rows, both sum(history_lengths) and the sharded capacity "
+                             f"P * L_cap; pass history_layout=\"packed\" or \"sharded\"")
+        if not (fits_sharded or fits_packed):
+            raise ValueError(f"k_hist has {n} rows; expected sum(history_lengths)={n_h} (packed) or "
+                             f"P * L_cap={laid} (laid out by plan.shard_history)")
+        return D, fits_packed
+    if history_layout == "sharded" and not fits_sharded:
+        raise ValueError(f"k_hist has {n} rows; expected P * L_cap={laid} (history_layout=\"sharded\")")
+    if history_layout == "packed" and n_h is not None and n != n_h:
+        raise ValueError(f"k_hist has {n} rows; expected sum(history_lengths)={n_h} "
+                         f"(history_layout=\"packed\")")
+    return D, history_layout == "packed"
+
+
+def run_dcp(combine, q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, scale=None,
+            history_layout: str = "auto"):
+    """Shared driver of MegaDCP and the DCP baselines: validates, lays out, pads, executes."""
+    D, packed = _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout)
+    s = plan.static
+    scale = D ** -0.5 if scale is None else float(scale)
+    if packed:
+        k_hist, v_hist = plan.shard_history(k_hist), plan.shard_history(v_hist)
+    Tq = q.shape[0]
+    pad = ((0, s.tq_cap - Tq), (0, 0), (0, 0))
+    mesh, ax = s.mesh, s.axis_name
+    q = _constrain(jnp.pad(jnp.asarray(q), pad), NamedSharding(mesh, P(None, ax)))
+    rep = NamedSharding(mesh, P())
+    k_new, v_new = (_constrain(jnp.pad(jnp.asarray(x), pad), rep) for x in (k_new, v_new))
+    k_hist, v_hist = (_constrain(jnp.asarray(x), plan.history_sharding) for x in (k_hist, v_hist))
+    tables = DcpExecTables(*(_constrain(jnp.asarray(x), plan.history_sharding)
+                                     for x in plan.tables))
+    out = xla_dcp.execute(combine, s.exec_spec(scale), mesh, q, k_new, v_new, k_hist, v_hist, tables)
+    return out[:Tq]
+
+
+def megadcp_attention(q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, scale: float | None = None,
+                      backend: str = "auto", history_layout: str = "auto"):
+    """Decode context-parallel attention of one planned step (Fig. 2(b)).
+
+    Request ``i`` appends ``query_lengths[i]`` tokens to ``history_lengths[i]`` cached ones; its
+    queries attend every history token and, causally, the appended tokens up to themselves.
+
+    Args:
+      q: ``[Tq, Hq, D]`` packed queries (``Tq = sum(query_lengths)``), heads in TP order.
+      k_new, v_new: ``[Tq, 1, D]`` KV of the appended tokens (one KV head, replicated).
+      k_hist, v_hist: ``[P * L_cap, 1, D]`` laid out by ``plan.shard_history``, or packed
+        ``[sum(history_lengths), 1, D]`` (laid out here); detected by shape.
+      plan: from :func:`plan_megadcp`.
+      scale: softmax scale, default ``1/sqrt(D)``.
+      backend: ``"auto"`` or ``"xla"`` (the portable executor); ``"pallas"`` is not available yet.
+      history_layout: ``"auto"`` (by shape), ``"packed"`` or ``"sharded"`` when shapes coincide.
+    Returns:
+      ``[Tq, Hq, D]`` in ``q.dtype``, sharded over heads.
+    """
+    if backend not in ("auto", "xla", "pallas"):
+        raise ValueError(f'backend must be "auto", "xla" or "pallas"; got {backend!r}')
+    if backend == "pallas":
+        raise NotImplementedError('megadcp_attention backend="pallas": there is no MegaDCP GPU engine '
+                                  'yet; use backend="auto" or "xla" (the portable XLA executor)')
+    return run_dcp(xla_dcp.megadcp_combine, q, k_new, v_new, k_hist, v_hist, plan, scale=scale,
+                   history_layout=history_layout)

@@ -1,0 +1,219 @@
+"""MegaDCP plans (host side): one decode step's critical-wave split plan, descriptor tables and
+executor tables for a DCP group (paper §5).
+
+A DCP group of ``P`` ranks (the mesh axis ``axis_name``) shares one KV head. Each rank owns
+``hq = Hq / P`` query heads (rank ``r``: heads ``[r * hq, (r + 1) * hq)``) and an interleaved
+shard of every request's history KV: history token ``t`` lives on rank ``t % P`` (vLLM DCP with
+interleave size 1, SGLang). On a rank, the local tokens of request ``0, 1, ...`` are stored back
+to back, padded to one capacity ``L_cap`` per rank, so the laid-out cache is a global
+``[P * L_cap, 1, D]`` array sharded over the axis.
+
+The plan is a pytree of fixed-capacity int32 tables: pass it as a jit argument, and batches in
+one capacity bucket (``plan.capacity`` pins one) reuse one compiled program.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from liquidcp_jax.executors import xla_dcp
+from liquidcp_jax.megadcp import critical_wave as cw
+from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape, exec_tables, shard_src
+from liquidcp_jax.megadcp.tables import DcpTables, bucket, build_tables, local_history_lengths
+from liquidcp_jax.util import constrain as _constrain
+
+DEFAULT_MEMORY_BUDGET = 256 << 20   # bytes of attention temporaries per block of pairs
+_TABLE_KEYS = ("requests", "chunk", "history", "reductions", "reduction_inputs", "finals", "blocks")
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpStatic(DcpShape):
+    """The hashable part of a plan (capacities, not batch counts): the compile key.
+
+    The executor's capacities (:class:`~liquidcp_jax.executors.xla_dcp.DcpShape`) plus the
+    facts the op checks its inputs against.
+    """
+
+    mesh: Mesh = dataclasses.field(kw_only=True)
+    num_q_heads: int = dataclasses.field(kw_only=True)
+    head_dim: int | None = dataclasses.field(kw_only=True)
+
+    def exec_spec(self, scale: float) -> xla_dcp.DcpSpec:
+        return xla_dcp.DcpSpec.from_static(self, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInfo:
+    """Host-only facts of a plan (absent inside ``jit``)."""
+
+    history_lengths: tuple[int, ...]
+    query_lengths: tuple[int, ...]
+    tables: DcpTables
+    split_source: str          # "critical_wave", "fixed" or "fa3"
+    capacity: dict
+
+
+@jax.tree_util.register_pytree_node_class
+class MegaDcpPlan:
+    """A MegaDCP plan: static signature + executor tables (+ host-only facts).
+
+    Attributes:
+      static: :class:`DcpStatic`.
+      tables: ``DcpExecTables`` of ``[P, cap]`` int32 arrays.
+      shard_src: ``[P * L_cap]`` int32 packed-history index feeding each shard slot (fill: padding).
+      host: :class:`HostInfo` (``None`` inside ``jit``): lengths, the planner's ``DcpTables``
+        (splits, order, epochs, ...), split source and capacity bucket.
+    """
+
+    def __init__(self, static: DcpStatic, tables: DcpExecTables, shard_src, host=None):
+        self.static = static
+        self.tables = tables
+        self.shard_src = shard_src
+        self.host = host
+
+    def tree_flatten(self):
+        return tuple(self.tables) + (self.shard_src,), self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, leaves):
+        return cls(static, DcpExecTables(*leaves[:-1]), leaves[-1])
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.static.mesh
+
+    @property
+    def history_sharding(self) -> NamedSharding:
+        """Sharding of laid-out history ``[P * L_cap, 1, D]``."""
+        return NamedSharding(self.static.mesh, P(self.static.axis_name))
+
+    @property
+    def history_capacity(self) -> int:
+        """``P * L_cap``: rows of a laid-out history array."""
+        return self.static.dcp * self.static.hist_cap
+
+    @property
+    def num_query_tokens(self) -> int | None:
+        return None if self.host is None else sum(self.host.query_lengths)
+
+    @property
+    def num_history_tokens(self) -> int | None:
+        return None if self.host is None else sum(self.host.history_lengths)
+
+    @property
+    def splits(self) -> tuple[int, ...] | None:
+        """KV splits per request (host only)."""
+        return None if self.host is None else tuple(int(s) for s in self.host.tables.plan.splits)
+
+    @property
+    def capacity(self) -> dict | None:
+        """The capacity bucket; pass it as ``plan_megadcp(..., capacities=...)`` to pin later batches."""
+        return None if self.host is None else dict(self.host.capacity)
+
+    def shard_history(self, x) -> jax.Array:
+        """Packed ``[sum(history_lengths), 1, D]`` -> interleaved shards ``[P * L_cap, 1, D]``
+        sharded over the DCP axis (padding rows 0)."""
+        n = self.num_history_tokens
+        if getattr(x, "ndim", 0) != 3 or (n is not None and x.shape[0] != n):
+            raise ValueError(f"x must have shape [sum(history_lengths)={n}, 1, D]; got "
+                             f"{getattr(x, 'shape', None)}")
+        x = jnp.asarray(x)
+        if x.shape[0] == 0:   # no history at all: every slot is padding
+            y = jnp.zeros((self.history_capacity,) + x.shape[1:], x.dtype)
+        else:
+            y = x.at[jnp.asarray(self.shard_src)].get(mode="fill", fill_value=0)
+        return _constrain(y, self.history_sharding)
+
+    def __repr__(self):
+        s = self.static
+        return (f"MegaDcpPlan(P={s.dcp}, Hq={s.num_q_heads}, hq={s.hq}, tile={s.tile}, "
+                f"Tq_cap={s.tq_cap}, L_cap={s.hist_cap}, splits={self.splits})")
+
+
+def _pair_block(n_pairs: int, rows: int, tile: int, head_dim: int, budget: int) -> int:
+    """Largest power-of-two block of pairs (dividing the power-of-two capacity) within ``budget``."""
+    per_pair = 4 * rows * (3 * tile + 2 * head_dim) + 8 * tile * head_dim
+    b = max(1, int(budget) // per_pair)
+    return min(n_pairs, 1 << (b.bit_length() - 1))
+
+
+def validate_batch(history_lengths, query_lengths, mesh: Mesh, axis_name: str, num_q_heads: int):
+    """Checks a DCP batch and its mesh; returns ``(P, history (S,) int64, query (S,) int64)``."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; expected one of "
+                         f"{tuple(mesh.shape)}")
+    Pn = int(mesh.shape[axis_name])
+    if isinstance(num_q_heads, bool) or int(num_q_heads) != num_q_heads or num_q_heads < 1 \
+            or num_q_heads % Pn:
+        raise ValueError(f"num_q_heads={num_q_heads!r} must be a positive multiple of the DCP degree "
+                         f"P={Pn} (mesh axis {axis_name!r}): each rank owns Hq / P query heads")
+    hist = np.asarray(cw._int_vector(history_lengths, "history_lengths", lo=0), np.int64)
+    if len(query_lengths) != hist.size:
+        raise ValueError(f"query_lengths has {len(query_lengths)} entries; expected {hist.size} "
+                         f"(one per history_lengths entry)")
+    qlen = np.asarray(cw._int_vector(query_lengths, "query_lengths", lo=1, size=hist.size), np.int64)
+    return Pn, hist, qlen
+
+
+def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], mesh: Mesh,
+                 axis_name: str = "dcp", *, num_q_heads: int, head_dim: int | None = None,
+                 tile: int = 128, rows_per_tile: int = 128, params: "cw.Params | None" = None,
+                 splits: Sequence[int] | None = None, num_comm_ctas: int = 16, min_capacity: int = 8,
+                 capacities: dict[str, Any] | None = None,
+                 memory_budget: int = DEFAULT_MEMORY_BUDGET, _split_source: str | None = None
+                 ) -> MegaDcpPlan:
+    """Plans one MegaDCP decode step (host side, NumPy).
+
+    Args:
+      history_lengths: ``(S,)`` cached history tokens per request (>= 0).
+      query_lengths: ``(S,)`` appended (query) tokens per request (>= 1; 16 for a decode request
+        with 15 drafts, up to a few thousand for a prefill chunk).
+      mesh: the device mesh; ``axis_name`` is its DCP axis (size ``P``).
+      num_q_heads: ``Hq``, query heads of the group (a multiple of ``P``); head_dim: optional ``D``
+        checked by the op.
+      tile: KV tokens per tile; rows_per_tile: query rows (token-head pairs) per attention tile.
+      params: critical-wave parameters of the split planner (default ``Params.h100()``).
+      splits: ``(S,)`` fixed KV split counts (skips the planner; each ``<= max(1, rank-0 tiles)``).
+      num_comm_ctas: communication CTAs ``M`` (transfer epochs of the GPU engine).
+      min_capacity: smallest table capacity; capacities: per-table floors (``plan.capacity``).
+      memory_budget: bytes of attention temporaries the XLA executor may hold for one block of
+        (task, KV tile) pairs; blocks run in a scan, so memory stays bounded for any batch.
+    Returns:
+      :class:`MegaDcpPlan`.
+    """
+    Pn, hist, qlen = validate_batch(history_lengths, query_lengths, mesh, axis_name, num_q_heads)
+    if head_dim is not None and (int(head_dim) != head_dim or head_dim < 1):
+        raise ValueError(f"head_dim must be None or an int >= 1; got {head_dim!r}")
+    if int(memory_budget) < 1:
+        raise ValueError(f"memory_budget must be a positive number of bytes; got {memory_budget!r}")
+    hq = int(num_q_heads) // Pn
+    caps = dict(capacities or {})
+    t = build_tables(hist, qlen, Pn, hq, params=params, tile=tile, rows_per_tile=rows_per_tile,
+                     splits=splits, num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
+                     capacities={k: v for k, v in caps.items() if k in _TABLE_KEYS})
+    tables, pair_caps = exec_tables(t, caps, min_capacity)
+    u = t.num_reductions
+    red_inputs = bucket(max(int(t.red_input_count[:u].max(initial=1)), caps.get("red_inputs", 0)), 1)
+    red_run = bucket(max(int(t.red_vec_count[:u].max(initial=1)), caps.get("red_run", 0)), 1)
+    tq_cap = bucket(max(int(qlen.sum()), caps.get("query_tokens", 0)), min_capacity)
+    local_total = int(local_history_lengths(hist, Pn).sum(axis=1).max())
+    hist_cap = tile * bucket(max(-(-local_total // tile), caps.get("history_tiles", 0)), 1)
+    dmax = 256 if head_dim is None else int(head_dim)   # the block must fit any head dim it may see
+    c_block = _pair_block(pair_caps["chunk_pairs"], t.chunk_q_tile_tokens * hq, tile, dmax, memory_budget)
+    h_block = _pair_block(pair_caps["history_pairs"], t.q_tile_tokens * Pn * hq, tile, dmax, memory_budget)
+    static = DcpStatic(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
+                       hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block,
+                       mesh=mesh, num_q_heads=int(num_q_heads),
+                       head_dim=None if head_dim is None else int(head_dim))
+    capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
+                "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
+    source = _split_source or ("critical_wave" if splits is None else "fixed")
+    host = HostInfo(tuple(int(x) for x in hist), tuple(int(x) for x in qlen), t, source, capacity)
+    return MegaDcpPlan(static, tables, shard_src(hist, Pn, hist_cap), host)

@@ -1,0 +1,246 @@
+"""MegaRing's op (paper §4): ``megaring_attention`` runs a plan's tables under ``jit`` /
+``jax.shard_map`` with a ``jax.custom_vjp`` (backward per §4.1), on the XLA executor, the Pallas
+one-step path or the Pallas segment ring.
+
+    plan = lcp.plan_megaring(lengths, mesh, axis_name="cp", placement="buddyring")
+    q_cp, k_cp, v_cp = plan.shard(q), plan.shard(k), plan.shard(v)
+    o = plan.unshard(lcp.megaring_attention(q_cp, k_cp, v_cp, plan))
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from liquidcp_jax.executors import segment_ring as ring_exec
+from liquidcp_jax.executors import xla as xla_exec
+from liquidcp_jax.megaring.plan import MegaRingPlan, PlanStatic
+from liquidcp_jax.util import constrain as _constrain
+from liquidcp_jax.validation import check_qkv
+
+def _local(fn, static: PlanStatic, n_in: int, n_out: int):
+    ax = static.axis_name
+    return jax.shard_map(fn, mesh=static.mesh, in_specs=(P(ax),) * n_in, out_specs=(P(ax),) * n_out,
+                         check_vma=False)
+
+
+def _forward(q, k, v, tables, static: PlanStatic, scale: float):
+    spec = static.exec_spec(scale)
+
+    def f(q, k, v, *tb):
+        return xla_exec.forward(q, k, v, [x[0] for x in tb], spec)
+
+    return _local(f, static, 3 + len(tables), 2)(q, k, v, *tables)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _megaring_xla(q, k, v, tables, static, scale):
+    return _forward(q, k, v, tables, static, scale)
+
+
+def _megaring_xla_fwd(q, k, v, tables, static, scale):
+    out, lse = _forward(q, k, v, tables, static, scale)
+    return (out, lse), (q, k, v, tables, out, lse)
+
+
+def _megaring_xla_bwd(static, scale, res, cts):
+    q, k, v, tables, out, lse = res
+    dout, dlse = cts
+    spec = static.exec_spec(scale)
+
+    def f(q, k, v, out, lse, dout, dlse, *tb):
+        return xla_exec.backward(q, k, v, out, lse, dout, dlse, [x[0] for x in tb], spec)
+
+    dq, dk, dv = _local(f, static, 7 + len(tables), 3)(q, k, v, out, lse, dout, dlse, *tables)
+    return dq, dk, dv, jax.tree.map(lambda _: None, tables)
+
+
+_megaring_xla.defvjp(_megaring_xla_fwd, _megaring_xla_bwd)
+# Eager callers get one compiled program too (shard_map would otherwise run op by op).
+_megaring_xla_jit = jax.jit(_megaring_xla, static_argnums=(4, 5))
+
+
+def _ring_forward(q, k, v, ring, static: PlanStatic, spec: ring_exec.RingSpec):
+    def f(q, k, v, *rs):
+        return ring_exec.forward(q, k, v, [x[0] for x in rs], spec)
+
+    return _local(f, static, 3 + len(ring), 2)(q, k, v, *ring)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _megaring_ring(q, k, v, ring, static, spec):
+    return _ring_forward(q, k, v, ring, static, spec)[0]
+
+
+def _megaring_ring_fwd(q, k, v, ring, static, spec):
+    out, lse = _ring_forward(q, k, v, ring, static, spec)
+    return out, (q, k, v, ring, out, lse)
+
+
+def _megaring_ring_bwd(static, spec, res, dout):
+    q, k, v, ring, out, lse = res
+
+    def f(q, k, v, out, lse, do, *rs):
+        return ring_exec.backward(q, k, v, out, lse, do, [x[0] for x in rs], spec)
+
+    dq, dk, dv = _local(f, static, 6 + len(ring), 3)(q, k, v, out, lse, dout, *ring)
+    return dq, dk, dv, jax.tree.map(lambda _: None, ring)
+
+
+_megaring_ring.defvjp(_megaring_ring_fwd, _megaring_ring_bwd)
+_megaring_ring_jit = jax.jit(_megaring_ring, static_argnums=(4, 5))
+
+
+def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute: str = "pallas",
+                           interpret: bool = False, config=None, bwd_config=None):
+    """MegaRing's ring with one packed-segment attention call per step (differentiable; the
+    executor of ``megaring_attention(..., backend="pallas")`` for plans with groups larger than
+    one device; see :mod:`liquidcp_jax.executors.segment_ring`).
+
+    q: ``[N * capacity, Hq, D]``, k, v: ``[N * capacity, Hkv, D]`` in the plan's CP layout.
+    ``compute``: ``"pallas"`` (Mosaic GPU kernels; ``interpret=True`` runs them in the GPU
+    interpreter, one device only) or ``"xla"`` (the portable twin, any mesh). ``config`` /
+    ``bwd_config``: Pallas ``TuningConfig`` / ``BwdTuningConfig``. Returns ``[N * capacity, Hq, D]``.
+    """
+    _check_inputs(q, k, v, plan, plan.static.causal)
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float (it is static in the kernels); got {type(scale).__name__}")
+    if compute not in ring_exec.COMPUTES:
+        raise ValueError(f"compute must be one of {ring_exec.COMPUTES}; got {compute!r}")
+    if interpret and plan.static.num_devices > 1:
+        raise ValueError(f"interpret=True needs a 1-device mesh (the Mosaic GPU interpreter keeps one "
+                         f"global shared-memory model); the plan's mesh has {plan.static.num_devices}")
+    spec = ring_exec.RingSpec(plan.static.exec_spec(float(scale)), compute, bool(interpret), config,
+                              bwd_config)
+    sh = plan.sharding
+    ring = tuple(_constrain(jnp.asarray(x), sh) for x in plan.ring_segments.arrays())
+    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    return _megaring_ring_jit(q, k, v, ring, plan.static, spec)
+
+
+def _check_inputs(q, k, v, plan: MegaRingPlan, causal: bool):
+    if not isinstance(plan, MegaRingPlan):
+        raise ValueError(f"plan must be a MegaRingPlan from lcp.plan_megaring; got {type(plan).__name__}")
+    T, hq, hkv, d = check_qkv(q, k, v)
+    if T != plan.cp_tokens:
+        raise ValueError(f"q has {T} tokens; expected {plan.cp_tokens} (the plan's CP layout: "
+                         f"{plan.static.num_devices} devices x {plan.static.local_capacity}); shard inputs "
+                         f"with plan.shard(x)")
+    if bool(causal) != plan.static.causal:
+        raise ValueError(f"causal={causal} but the plan was built with causal={plan.static.causal}; "
+                         f"rebuild it with plan_megaring(..., causal={bool(causal)})")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        sh = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and isinstance(sh, NamedSharding):
+            if sh.mesh.devices.shape != plan.mesh.devices.shape or \
+                    list(sh.mesh.devices.flat) != list(plan.mesh.devices.flat) or \
+                    sh.mesh.axis_names != plan.mesh.axis_names:
+                raise ValueError(f"{name} lives on mesh {dict(sh.mesh.shape)} over other devices than the "
+                                 f"plan's mesh {dict(plan.mesh.shape)}; the plan was built for another mesh")
+    return d
+
+
+def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = True,
+                                scale: float | None = None, backend: str = "auto"):
+    """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]`` f32."""
+    d = _check_inputs(q, k, v, plan, causal)
+    scale = d ** -0.5 if scale is None else float(scale)
+    if backend == "pallas":
+        raise ValueError('megaring_attention_with_lse: the Pallas kernels do not propagate LSE cotangents; '
+                         'use backend="xla" (or megaring_attention, which can use Pallas)')
+    _resolve_backend("xla" if backend == "auto" else backend, q, d, plan)
+    sh = plan.sharding
+    tables = tuple(_constrain(jnp.asarray(x), sh) for x in plan.tables.arrays())
+    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    return _megaring_xla_jit(q, k, v, tables, plan.static, scale)
+
+
+def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
+                       backend: str = "auto"):
+    """Context-parallel attention over a planned packed batch (differentiable).
+
+    Args:
+      q: ``[N * capacity, Hq, D]`` in the plan's CP layout (``plan.shard``).
+      k, v: ``[N * capacity, Hkv, D]``, ``Hq % Hkv == 0`` (GQA).
+      plan: from :func:`plan_megaring` (pass it through ``jit`` as an argument).
+      causal: must match the plan.
+      scale: softmax scale, default ``1/sqrt(D)``.
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"``. ``"pallas"``: the Mosaic GPU kernels (Hopper):
+        one call per device when every sequence is local (the one-step path), else the segment ring
+        (:func:`segment_ring_attention`: ``ppermute`` transfers, one kernel call per ring step).
+        ``"auto"``: the one-step Pallas path where it can run, else the XLA executor (the segment
+        ring has not been run on several GPUs yet, so it is opt-in).
+    Returns:
+      ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
+    """
+    d = _check_inputs(q, k, v, plan, causal)
+    if _resolve_backend(backend, q, d, plan) == "pallas":
+        scale = d ** -0.5 if scale is None else float(scale)
+        if plan.static.all_local:
+            return pallas_one_step(q, k, v, plan, scale=scale)
+        return segment_ring_attention(q, k, v, plan, scale=scale)
+    return megaring_attention_with_lse(q, k, v, plan, causal=causal, scale=scale, backend="xla")[0]
+
+
+def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: bool = False):
+    """The compute-only / one-step execution (paper §2.2): every sequence is local to one device, so
+    each device runs the Pallas task-table kernel over its own packed segments. Differentiable."""
+    from liquidcp_jax.pallas import api as pallas_api
+    static = plan.static
+    sh = plan.sharding
+    segs = tuple(_constrain(jnp.asarray(x), sh) for x in plan.segments)
+    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    config, bwd_config = one_step_configs(plan)
+
+    def f(q, k, v, start, length, count):
+        out, _ = pallas_api.varlen_attention(q, k, v, start[0], start[0], length[0], count[0, 0],
+                                             causal=static.causal, sm_scale=scale, interpret=interpret,
+                                             config=config, bwd_config=bwd_config)
+        return (out,)
+
+    return _local(f, static, 6, 1)(q, k, v, *segs)[0]
+
+
+def one_step_configs(plan: MegaRingPlan):
+    """(``TuningConfig``, ``BwdTuningConfig``) of the one-step path. The persistent forward is
+    chosen from the plan's tokens per device, not from its layout's rows: the layout holds
+    ``local_capacity`` rows per device, a power-of-two bucket of the padded tokens (up to 2x the
+    tokens), and the rule was measured as tokens per segment slot on tight layouts (RESULTS.md);
+    counting the empty rows would, e.g., run the plain forward on a 128K batch of 9 sequences in
+    256K rows (ArXiv, run x). The backward keeps ``fused=None``: it picks the fused kernel on the
+    device from the batch's actual segment lengths (``BwdTuningConfig.fused_at_run_time``)."""
+    from liquidcp_jax.pallas import api as pallas_api
+    from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+    rows = -(-plan.static.num_tokens // plan.static.num_devices)
+    slots = int(plan.segments[0].shape[1])
+    fwd = pallas_api.TuningConfig()
+    bwd = bwd_lib.BwdTuningConfig()
+    # bwd: the default fused=None (per batch on the device; the two kernels where the fused one
+    # cannot run: head_dim 64, interpret mode).
+    return dataclasses.replace(fwd, persistent=fwd.use_persistent(rows, slots)), bwd
+
+
+def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:
+    """``"pallas"`` when it can run this call (and was asked for, or ``"auto"``), else ``"xla"``."""
+    if backend not in ("auto", "xla", "pallas"):
+        raise ValueError(f'backend must be "auto", "xla" or "pallas"; got {backend!r}')
+    if backend == "xla":
+        return "xla"
+    from liquidcp_jax.pallas import api as pallas_api
+    ok, why = pallas_api.is_supported(q.dtype, head_dim)
+    if backend == "pallas":
+        if not ok:
+            raise ValueError(f'backend="pallas" cannot run here: {why}')
+        return "pallas"
+    if ok and not plan.static.all_local:
+        ok, why = False, ('the Pallas segment ring (groups larger than one device) has not been run on '
+                          'several GPUs yet; pass backend="pallas" to use it')
+    if ok:
+        return "pallas"
+    if any(dev.platform == "gpu" for dev in plan.mesh.devices.flat):
+        warnings.warn(f"megaring_attention: using the XLA executor ({why})", stacklevel=3)
+    return "xla"
