@@ -7,7 +7,8 @@ import json, sys, time
 import numpy as np
 import jax, jax.numpy as jnp
 from liquidcp_jax.pallas import api
-from liquidcp_jax.pallas import tile_attention_fwd as fwd
+from liquidcp_jax import reference
+from liquidcp_jax.pallas.tables import Segments
 from liquidcp_jax import workloads
 
 def med(f, *a, n=10):
@@ -28,7 +29,7 @@ def check(cfg, seed):
   jax.block_until_ready(f(q * jnp.nan, k, v))
   out, lse = f(q, k, v)
   z = np.zeros_like(lens)
-  ro, rl = fwd.reference_attention(q, k, v, qs, lens, qs, lens, z, z, len(lens), causal=True, sm_scale=0.088)
+  ro, rl = reference.segment_attention_reference(q, k, v, Segments(qs, lens, qs, lens, z, z, len(lens)), causal=True, scale=0.088)
   cov = np.isfinite(rl[:, 0])
   o = np.asarray(out, np.float64)
   e = np.linalg.norm(o[cov] - ro[cov]) / np.linalg.norm(ro[cov])

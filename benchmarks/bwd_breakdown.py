@@ -1,7 +1,7 @@
 """Backward breakdown on one GPU: where the dense causal backward's time goes (device-built task
 tables, the delta / LSE preparation, the dQ and dK/dV kernels alone under several ring depths and
-tile sizes, the whole two-kernel backward), the forward (plain grid vs persistent, each with and
-without ``named_kv_release``, vs cuDNN, timed round-robin), the fused dK/dV/dQ kernel, and the whole
+tile sizes, the whole two-kernel backward), the forward (plain grid vs persistent, vs cuDNN, timed
+round-robin), the fused dK/dV/dQ kernel, and the whole
 backward with and without ``named_barriers`` (round-robin). B=1, Hq=32, Hkv=8, D=128, bf16, causal.
 
 Each item: median wall-clock ms of ``--reps`` calls after two warm-up calls (a kernel timed alone
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
 from liquidcp_jax.pallas import api  # noqa: E402
+from liquidcp_jax.pallas.common import LOG2E  # noqa: E402
 from liquidcp_jax.pallas import tables as tl  # noqa: E402
 from liquidcp_jax.pallas import tile_attention_bwd as bwd  # noqa: E402
 from liquidcp_jax.pallas import tile_attention_fwd as fwd  # noqa: E402
@@ -53,9 +54,9 @@ def interleaved(fns, args, n, flops, emit):
 
 def fwd_interleaved(q, k, v, seg, scale, flops, n, emit):
   fns = {}
-  for pers, rel in ((False, False), (True, False), (False, True), (True, True)):
-    c = fwd.TuningConfig(persistent=pers, named_kv_release=rel)
-    fns[f"fwd persistent={pers}" + (" named_kv_release" if rel else "")] = jax.jit(
+  for pers in (False, True):
+    c = fwd.TuningConfig(persistent=pers)
+    fns[f"fwd persistent={pers}"] = jax.jit(
         lambda q, k, v, *sg, c=c: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
                                                        config=c)[0])
   fns["fwd cudnn"] = jax.jit(lambda q, k, v, *sg: jax.nn.dot_product_attention(
@@ -159,7 +160,7 @@ def run(a, q, k, v, do, seg, scale, flops, n, emit):
 
   def prep(do, out, lse):
     delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
-    lse2 = jnp.where(jnp.isfinite(lse), lse * fwd._LOG2E, jnp.inf).T
+    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf).T
     return delta, lse2
   prep_j = jax.jit(prep)
   emit("delta + lse2 prep", timeit(prep_j, do, out, lse, n=n))

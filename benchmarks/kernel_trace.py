@@ -111,9 +111,6 @@ def trace_calls(f, args, n, **summarize_kw):
 # variants change the forward (traced alone and, with --bwd, with the default backward); "bwd"
 # variants change only the backward (traced as fwd+bwd).
 VARIANTS = {
-    "mbarrier_release": ("fwd", {"named_kv_release": False}),  # the default since 2026-12-04
-    "named_release": ("fwd", {"named_kv_release": True}),
-    "fwd_segment": ("fwd", {"task_order": "segment"}),  # the forward table launched per sequence
     # The forward's two kernels forced (the default picks by tokens per segment slot,
     # TuningConfig.use_persistent).
     "fwd_plain": ("fwd", {"persistent": False}),
@@ -122,29 +119,14 @@ VARIANTS = {
     "fwd_mcs3": ("fwd", {"max_concurrent_steps": 3}),
     "two_kernel": ("bwd", {"fused": False}),
     "fused": ("bwd", {"fused": True}),
-    "fused_v1": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 1}),
     "named_barriers": ("bwd", {"named_barriers": True}),  # on the two kernels by default
     "mbarrier_bwd": ("bwd", {"named_barriers": False}),
     "mcs3": ("bwd", {"max_concurrent_steps": 3}),
     "mcs4": ("bwd", {"max_concurrent_steps": 4}),
     "mcs3_named": ("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
     "dq128": ("bwd", {"block_kv_dq": 128}),
-    # The fused kernel's schedule options one at a time (the default has both).
-    "fused_dqearly": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 1}),
-    "fused_ds2": ("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 2}),
-    "fused_dqearly_ds2": ("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 2}),
-    # Tasks with keys of a neighbouring segment: every tile masked (before 2026-12-04, third
-    # session) instead of the per-row bias on their full tiles.
-    "fused_no_row_bias": ("bwd", {"fused": True, "fused_row_bias": False}),
-    # Backward task tables launched segment by segment (the default since 2026-12-04, run ag;
-    # fused_seg / two_kernel_seg now equal fused / two_kernel) or heaviest task first over the
-    # whole table (the order before).
-    "fused_seg": ("bwd", {"fused": True, "task_order": "segment"}),
-    "two_kernel_seg": ("bwd", {"fused": False, "task_order": "segment"}),
-    "fused_work": ("bwd", {"fused": True, "task_order": "work"}),
-    "two_kernel_work": ("bwd", {"fused": False, "task_order": "work"}),
 }
-DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"
+DEFAULT_VARIANTS = "two_kernel,fused,mbarrier_bwd"
 
 
 def parse_variants(spec):
@@ -232,7 +214,7 @@ def trace_rounds(impls, run, rounds, label=""):
 def uniform_lengths(tokens, length):
   """``tokens`` packed as sequences of ``length`` (the remainder, if any, as one shorter last
   sequence): int64 [ceil(tokens / length)]. For scanning where the fused backward starts to win
-  (``BwdTuningConfig.fused_from_tokens_per_segment``)."""
+  (``pallas.heuristics.FUSED_FROM_TOKENS_PER_SEGMENT``)."""
   if not 0 < length <= tokens:
     raise ValueError(f"--uniform: a length must be in [1, {tokens}] (the token count), got {length}")
   n, rest = divmod(tokens, length)

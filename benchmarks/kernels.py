@@ -6,13 +6,11 @@ Sections (in this order, so that a time budget cuts the least important part):
             attention (``implementation="mosaic"``, where it imports and runs), fwd and fwd+bwd.
   variants  (``--variants``) our kernels under several configs on the first dense length and the
             ``--variant-datasets`` packed batches (default Pile-CC, short sequences): fwd plain grid
-            vs ``persistent=True``, each with named-barrier and mbarrier ping-pong and with
-            ``named_kv_release``, backward
-            only (dQ + dK/dV kernels, ``pallas_segment_attention_bwd``) for
-            ``BwdTuningConfig(overlap=True, block_kv_dq, fused=False)``, block_kv_dq in {64, 128},
-            and the fused dK/dV/dQ kernel with both dQ splits (``fused_split`` "pair", "wg"), the
-            two-kernel backward with ``named_barriers`` off and on (None, the default, is on for
-            the two kernels) and the fused "pair" backward with them on.
+            vs ``persistent=True``, backward only (dQ + dK/dV kernels,
+            ``pallas_segment_attention_bwd``) for ``BwdTuningConfig(block_kv_dq, fused=False)``,
+            block_kv_dq in {64, 128}, and the fused dK/dV/dQ kernel, the two-kernel backward with
+            ``named_barriers`` off and on (None, the default, is on for the two kernels) and the
+            fused backward with them on.
   packed    packed variable-length batches of 64K and 128K tokens sampled from the five training
             distributions (``liquidcp_jax.workloads.sample_batch``, seed 0), ``--lognormal`` adds
             the two earlier lognormal mixes: ours vs cuDNN's packed layout vs XLA attention
@@ -400,19 +398,13 @@ def bench_packed(b, label, lens, cap, n):
 
 def variant_configs():
   fwd = [("fwd plain", api.TuningConfig(persistent=False)),
-         ("fwd persistent", api.TuningConfig(persistent=True)),
-         ("fwd plain mbarrier_sched", api.TuningConfig(persistent=False, named_sched=False)),
-         ("fwd persistent mbarrier_sched", api.TuningConfig(persistent=True, named_sched=False)),
-         ("fwd plain named_kv_release", api.TuningConfig(persistent=False, named_kv_release=True)),
-         ("fwd persistent named_kv_release",
-          api.TuningConfig(persistent=True, named_kv_release=True))]
-  bwd = [(f"bwd overlap=True block_kv_dq={bk}",
-          bwd_lib.BwdTuningConfig(overlap=True, block_kv_dq=bk, fused=False)) for bk in (64, 128)]
-  bwd.append(("bwd fused pair", bwd_lib.BwdTuningConfig(fused=True)))
-  bwd.append(("bwd fused wg", bwd_lib.BwdTuningConfig(fused=True, fused_split="wg")))
+         ("fwd persistent", api.TuningConfig(persistent=True))]
+  bwd = [(f"bwd block_kv_dq={bk}", bwd_lib.BwdTuningConfig(block_kv_dq=bk, fused=False))
+         for bk in (64, 128)]
+  bwd.append(("bwd fused", bwd_lib.BwdTuningConfig(fused=True)))
   bwd.append(("bwd named_barriers", bwd_lib.BwdTuningConfig(fused=False, named_barriers=True)))
   bwd.append(("bwd mbarrier", bwd_lib.BwdTuningConfig(fused=False, named_barriers=False)))
-  bwd.append(("bwd fused pair named_barriers",
+  bwd.append(("bwd fused named_barriers",
               bwd_lib.BwdTuningConfig(fused=True, named_barriers=True)))
   return fwd, bwd
 

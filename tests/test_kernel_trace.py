@@ -106,12 +106,13 @@ def test_parse_variants_names_the_unknown_one():
 def test_every_variant_is_a_valid_config():
   from liquidcp_jax.pallas import api
   from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
+  from liquidcp_jax.pallas.common import SMEM_LIMIT
   for name, (kind, fields) in kernel_trace.VARIANTS.items():
     assert kind in ("fwd", "bwd"), name
     cfg = (api.TuningConfig if kind == "fwd" else bwd_lib.BwdTuningConfig)(**fields)
     if kind == "bwd" and not cfg.fused:
       for k in ("dq", "dkv"):  # fits the H200's SMEM at head_dim 128
-        assert bwd_lib.smem_bytes(k, cfg, 128) <= bwd_lib._SMEM_LIMIT, (name, k)
+        assert bwd_lib.smem_bytes(k, cfg, 128) <= SMEM_LIMIT, (name, k)
 
 
 def test_trace_rounds_round_robin_and_errors():

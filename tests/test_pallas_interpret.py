@@ -1,22 +1,19 @@
-"""The Mosaic GPU forward kernel in CPU interpret mode (small shapes) vs the float64 reference."""
-import dataclasses
+"""The Mosaic GPU kernels in CPU interpret mode (small shapes) vs the float64 references, and
+their GPU lowering (on CPU) for the code paths interpret mode does not run."""
 import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from liquidcp_jax.pallas import api
-from liquidcp_jax.pallas import tile_attention_fwd as fwd
+from liquidcp_jax import reference as ref
+from liquidcp_jax.pallas import api, heuristics, sync
+from liquidcp_jax.pallas.common import SMEM_LIMIT
+from liquidcp_jax.pallas.tables import Segments
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_interpret_forward_varlen(causal, persistent):
   _check_interpret_forward(causal, api.TuningConfig(persistent=persistent))
-
-
-def test_interpret_forward_named_sched_falls_back():
-  """named_sched=True in interpret mode runs the mbarrier ping-pong (same results)."""
-  _check_interpret_forward(True, api.TuningConfig(persistent=False, named_sched=True))
 
 
 def _lower_forward_for_gpu(cfg):
@@ -54,38 +51,17 @@ def test_varlen_fwd_bwd_gpu_lowering_has_no_while_loops(fused):
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_forward_named_sched_gpu_lowering(persistent):
-  """named_sched=True puts the ping-pong on hardware named barriers 4 and 5 (256 threads: both
-  compute warpgroups) in the lowered Mosaic GPU kernel; named_sched=False does not."""
-  for named in (False, True):
-    txt = _lower_forward_for_gpu(api.TuningConfig(persistent=persistent, named_sched=named))
-    # Warpgroup 1's start wait (bar.sync 5) and the per-step signal to the other warpgroup's
-    # barrier (bar.arrive 4 + 1 - wg, a register operand).
-    assert ("bar.sync 5, 256;" in txt) == named
-    assert ("bar.arrive $0, 256;" in txt) == named
-    assert ("bar.sync $0, 256;" in txt) == named
-  with pytest.raises(ValueError, match="named_sched"):
-    api.TuningConfig(named_sched=1)
-
-
-@pytest.mark.parametrize("persistent", [False, True])
-def test_forward_named_kv_release_gpu_lowering(persistent):
-  """named_kv_release=True hands K / V ring slots back on named barriers over all three warpgroups
-  (bar.arrive / bar.sync ..., 384) instead of the k_used / v_used mbarriers; the default
-  (named_kv_release=False since 2026-12-04) keeps the mbarriers."""
-  for named in (False, True, None):
-    cfg = (api.TuningConfig(persistent=persistent) if named is None
-           else api.TuningConfig(persistent=persistent, named_kv_release=named))
-    txt = _lower_forward_for_gpu(cfg)
-    assert ("bar.arrive $0, 384;" in txt) == bool(named)
-    assert ("bar.sync $0, 384;" in txt) == bool(named)
-  with pytest.raises(ValueError, match="named_kv_release"):
-    api.TuningConfig(named_kv_release="yes")
-
-
-def test_interpret_forward_named_kv_release_falls_back():
-  """named_kv_release=True in interpret mode keeps the mbarriers (same results)."""
-  _check_interpret_forward(True, api.TuningConfig(persistent=True, named_kv_release=True))
+def test_forward_gpu_lowering_barriers(persistent):
+  """On the GPU the forward's ping-pong runs on the hardware named barriers FWD_SCHED and
+  FWD_SCHED + 1 of the barrier table (256 threads: both compute warpgroups), and the K / V ring
+  slots go back to the producer on mbarriers (no named barrier of all three warpgroups)."""
+  txt = _lower_forward_for_gpu(api.TuningConfig(persistent=persistent))
+  # Warpgroup 1's start wait (an immediate id) and the per-step signal to the other warpgroup's
+  # barrier and wait on its own (FWD_SCHED + 1 - wg, FWD_SCHED + wg: register operands).
+  assert f"bar.sync {sync.FWD_SCHED + 1}, 256;" in txt
+  assert "bar.arrive $0, 256;" in txt
+  assert "bar.sync $0, 256;" in txt
+  assert ", 384;" not in txt
 
 
 def _check_interpret_forward(causal, config):
@@ -101,8 +77,8 @@ def _check_interpret_forward(causal, config):
   out, lse = api.varlen_attention(q, k, v, qs, ks, ln, 3, causal=causal, sm_scale=0.125,
                                   interpret=True, config=config)
   z = np.zeros(4, np.int32)
-  ro, rl = fwd.reference_attention(q, k, v, qs, ln, ks, ln, z, z, 3, causal=causal,
-                                   sm_scale=0.125)
+  ro, rl = ref.segment_attention_reference(q, k, v, Segments(qs, ln, ks, ln, z, z, 3),
+                                           causal=causal, scale=0.125)
   out = np.asarray(out, np.float64); lse = np.asarray(lse, np.float64)
   cov = np.isfinite(rl[:, 0])
   assert (~cov).sum() == 3 + 9
@@ -146,8 +122,8 @@ def test_interpret_backward_causal_varlen():
       * do.astype(jnp.float32))
   grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
   z = np.zeros(3, np.int32)
-  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, 3, causal=True,
-                                     sm_scale=0.125)
+  refs = ref.segment_attention_reference_vjp(q, k, v, do, Segments(qs, ln, ks, ln, z, z, 3),
+                                             causal=True, scale=0.125)
   for g, r in zip(grads, refs):
     g = np.asarray(g, np.float64)
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3
@@ -157,17 +133,16 @@ def test_interpret_backward_causal_varlen():
 # forward reference, so each case runs just the dQ and dK/dV kernels).
 _BWD_CONFIGS = [
     # (causal, BwdTuningConfig kwargs)
-    (True, dict(overlap=True)),
-    (True, dict(overlap=True, block_kv_dq=128, block_q_dkv=128, max_concurrent_steps=3)),
-    (False, dict(overlap=False, block_kv_dq=128, block_q_dkv=128)),
-    (True, dict(overlap=True, named_barriers=True)),  # interpret mode keeps the mbarriers
-    (True, dict(overlap=True, task_order="work")),  # the order before 2026-12-04, run af
+    (True, dict()),
+    (True, dict(block_kv_dq=128, block_q_dkv=128, max_concurrent_steps=3)),
+    (False, dict(block_kv_dq=128, block_q_dkv=128)),
+    (True, dict(named_barriers=True)),  # interpret mode keeps the mbarriers
+    (True, dict(max_concurrent_steps=4)),
 ]
 
 
 @pytest.mark.parametrize("causal,cfg", _BWD_CONFIGS,
-                         ids=["overlap", "overlap-b128-mcs3", "nooverlap-b128-full",
-                              "named-fallback", "work-order"])
+                         ids=["default", "b128-mcs3", "b128-full", "named-fallback", "mcs4"])
 def test_interpret_backward_configs(causal, cfg):
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   rng = np.random.default_rng(17 + len(cfg))
@@ -178,14 +153,13 @@ def test_interpret_backward_configs(causal, cfg):
   mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
   q, k, v, do = mk(t, hq, d), mk(tk, hkv, d), mk(tk, hkv, d), mk(t, hq, d)
   z = np.zeros(4, np.int32)
-  ro, rl = fwd.reference_attention(q, k, v, qs, ln, ks, ln, z, z, 3, causal=causal,
-                                   sm_scale=0.125)
+  seg = Segments(qs, ln, ks, ln, z, z, 3)
+  ro, rl = ref.segment_attention_reference(q, k, v, seg, causal=causal, scale=0.125)
   config = bwd.BwdTuningConfig(**cfg)
   grads = api.pallas_segment_attention_bwd(
       q, k, v, jnp.asarray(ro, jnp.float16), jnp.asarray(rl, jnp.float32), do, qs, ks, ln, 3,
       causal=causal, sm_scale=0.125, config=config, interpret=True)
-  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, ks, ln, z, z, 3, causal=causal,
-                                     sm_scale=0.125)
+  refs = ref.segment_attention_reference_vjp(q, k, v, do, seg, causal=causal, scale=0.125)
   for g, r in zip(grads, refs):
     g = np.asarray(g, np.float64)
     assert np.isfinite(g).all()  # uninitialized kernel memory is NaN in interpret mode
@@ -199,8 +173,10 @@ def test_bwd_config_validation():
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   with pytest.raises(ValueError, match="block_kv_dq"):
     bwd.BwdTuningConfig(block_kv_dq=32)
-  with pytest.raises(ValueError, match="overlap"):
-    bwd.BwdTuningConfig(overlap=1)
+  with pytest.raises(ValueError, match="block_q_dkv"):
+    bwd.BwdTuningConfig(block_q_dkv=256)
+  with pytest.raises(ValueError, match="max_concurrent_steps"):
+    bwd.BwdTuningConfig(max_concurrent_steps=5)
   with pytest.raises(ValueError, match="fused"):
     bwd.BwdTuningConfig(fused=1)
   q = jnp.zeros((256, 2, 128), jnp.bfloat16)
@@ -212,21 +188,20 @@ def test_bwd_config_validation():
     bwd.dkv_kernel_call(q, k, k, q, lse, lse, tab, 1, causal=True, sm_scale=1.0,
                         config=bwd.BwdTuningConfig(block_q_dkv=128, max_concurrent_steps=3),
                         interpret=True)
-  assert bwd.smem_bytes("dq", bwd.BwdTuningConfig(block_kv_dq=128), 128) <= bwd._SMEM_LIMIT
+  assert bwd.smem_bytes("dq", bwd.BwdTuningConfig(block_kv_dq=128), 128) <= SMEM_LIMIT
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("bkv_dq,bq_dkv,mcs,d", [(64, 64, 2, 128), (128, 64, 2, 128),
                                                  (128, 128, 2, 64), (64, 64, 3, 128),
                                                  (128, 64, 3, 128), (64, 64, 4, 128)])
-def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
+def test_backward_gpu_lowering(bkv_dq, bq_dkv, mcs, d):
   """The GPU code path (register-LHS wgmma, paired wgmmas with wait_group(1)), which interpret
   mode does not run, lowers to Mosaic GPU for every exposed config, on CPU; configs over the SMEM
   budget raise a ValueError instead (Mosaic itself would reject them at the same point)."""
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   cfg = bwd.BwdTuningConfig(block_kv_dq=bkv_dq, block_q_dkv=bq_dkv, max_concurrent_steps=mcs,
-                            overlap=overlap, fused=False)
+                            fused=False)
   sd = jax.ShapeDtypeStruct
   q, k = sd((256, 2, d), jnp.bfloat16), sd((256, 1, d), jnp.bfloat16)
   lse, seg = sd((256, 2), jnp.float32), sd((2,), jnp.int32)
@@ -234,7 +209,7 @@ def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
                                                           config=cfg))
   lower = lambda: f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
       lowering_platforms=("cuda",)).as_text()
-  if max(bwd.smem_bytes(kind, cfg, d) for kind in ("dq", "dkv")) > bwd._SMEM_LIMIT:
+  if max(bwd.smem_bytes(kind, cfg, d) for kind in ("dq", "dkv")) > SMEM_LIMIT:
     with pytest.raises(ValueError, match="SMEM"):
       lower()
   else:
@@ -243,24 +218,25 @@ def test_backward_gpu_lowering(overlap, bkv_dq, bq_dkv, mcs, d):
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
-def test_fused_backward_gpu_lowering(hq, hkv):
+def test_fused_backward_gpu_lowering(hq, hkv, monkeypatch):
   """The fused dK/dV/dQ kernel (TMA reduce-add, not runnable in interpret mode) lowers to one
-  Mosaic GPU call on CPU with both dQ splits, the float32 dQ accumulator aliased input -> output;
-  the default config (fused=None) compiles both backward paths behind one conditional (the fused
-  kernel and the dQ, dK/dV kernels: 3 calls) when a segment of fused_from_tokens_per_segment
-  tokens fits in the rows, only the two kernels when none fits, and only the two kernels at
-  head_dim 64 (where fused_split='pair' cannot run) instead of raising."""
+  Mosaic GPU call on CPU, the float32 dQ accumulator aliased input -> output; the default config
+  (fused=None) compiles both backward paths behind one conditional (the fused kernel and the dQ,
+  dK/dV kernels: 3 calls) when a segment of FUSED_FROM_TOKENS_PER_SEGMENT tokens fits in the
+  rows, only the two kernels when none fits, and only the two kernels at head_dim 64 (where the
+  fused kernel cannot run) instead of raising."""
   import jax
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   sd = jax.ShapeDtypeStruct
   q, k = sd((640, hq, 128), jnp.bfloat16), sd((640, hkv, 128), jnp.bfloat16)
   lse, seg = sd((640, hq), jnp.float32), sd((3,), jnp.int32)
-  for cfg, n_calls in ((bwd.BwdTuningConfig(fused=True), 1), (bwd.BwdTuningConfig(), 2),
-                       (bwd.BwdTuningConfig(fused=False), 2),
-                       (bwd.BwdTuningConfig(fused=True, max_concurrent_steps=3), 1),
-                       (bwd.BwdTuningConfig(fused=True, fused_split="wg"), 1),
-                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=640), 3),
-                       (bwd.BwdTuningConfig(fused_from_tokens_per_segment=641), 2)):
+  default = heuristics.FUSED_FROM_TOKENS_PER_SEGMENT
+  for cfg, threshold, n_calls in (
+      (bwd.BwdTuningConfig(fused=True), default, 1), (bwd.BwdTuningConfig(), default, 2),
+      (bwd.BwdTuningConfig(fused=False), default, 2),
+      (bwd.BwdTuningConfig(fused=True, max_concurrent_steps=3), default, 1),
+      (bwd.BwdTuningConfig(), 640, 3), (bwd.BwdTuningConfig(), 641, 2)):
+    monkeypatch.setattr(heuristics, "FUSED_FROM_TOKENS_PER_SEGMENT", threshold)
     f = jax.jit(lambda *a, cfg=cfg: api.pallas_segment_attention_bwd(*a, causal=True,
                                                                      sm_scale=0.1, config=cfg))
     txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
@@ -271,7 +247,8 @@ def test_fused_backward_gpu_lowering(hq, hkv):
     if n_calls == 1:
       assert "output_operand_alias<output_tuple_indices = [2], operand_index = 7" in calls[0]
   q64, k64 = sd((640, hq, 64), jnp.bfloat16), sd((640, hkv, 64), jnp.bfloat16)
-  cfg = bwd.BwdTuningConfig(fused_from_tokens_per_segment=1)
+  monkeypatch.setattr(heuristics, "FUSED_FROM_TOKENS_PER_SEGMENT", 1)
+  cfg = bwd.BwdTuningConfig()
   txt = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=True, sm_scale=0.1,
                                                             config=cfg)).trace(
       q64, k64, k64, q64, lse, q64, seg, seg, seg, sd((), jnp.int32)).lower(
@@ -279,27 +256,25 @@ def test_fused_backward_gpu_lowering(hq, hkv):
   assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 2
 
 
-def test_fused_at_run_time_uses_actual_segment_lengths():
+def test_fused_at_run_time_uses_actual_segment_lengths(monkeypatch):
   """fused=None decides per batch from the mean length of the batch's num_segs segments (padding
   slots beyond num_segs and their stale lengths ignored; no segments is not fused)."""
-  from liquidcp_jax.pallas import tile_attention_bwd as bwd
-  cfg = bwd.BwdTuningConfig(fused_from_tokens_per_segment=1000)
-  f = lambda lens, n: bool(cfg.fused_at_run_time(jnp.asarray(lens, jnp.int32), jnp.int32(n)))
+  monkeypatch.setattr(heuristics, "FUSED_FROM_TOKENS_PER_SEGMENT", 1000)
+  f = lambda lens, n: bool(heuristics.fused_backward_at_run_time(jnp.asarray(lens, jnp.int32),
+                                                                 jnp.int32(n)))
   assert f([1500, 500, 9999, 9999], 2)          # mean 1000
   assert not f([1500, 499, 9999, 9999], 2)      # mean 999.5
   assert f([2000, 1, 1, 1], 1) and not f([2000, 1, 1, 1], 4)  # mean 2000 vs 500.75
   assert not f([2000, 1, 1, 1], 0)
-  assert cfg.may_fuse(1000) and not cfg.may_fuse(999)
-  assert bwd.BwdTuningConfig(fused=True).may_fuse(1)
-  assert not bwd.BwdTuningConfig(fused=False).may_fuse(10**6)
+  assert heuristics.fused_backward_may_run(1000) and not heuristics.fused_backward_may_run(999)
 
 
 @pytest.mark.parametrize("fused,mcs", [(False, 2), (False, 4), (True, 2), (True, 3)])
 def test_backward_named_barriers_gpu_lowering(fused, mcs):
   """BwdTuningConfig(named_barriers=True) releases the SMEM ring slots on named barriers of all
   three warpgroups (bar.arrive / bar.sync ..., 384) and, in the fused kernel, hands dS^T over on
-  named barriers of the two compute warpgroups (256); False has neither; None (default) has the
-  ring releases in the two-kernel backward only."""
+  named barriers of the two compute warpgroups (256) with the ids of the barrier table; False has
+  neither; None (default) has the ring releases in the two-kernel backward only."""
   import re
 
   import jax
@@ -320,28 +295,36 @@ def test_backward_named_barriers_gpu_lowering(fused, mcs):
     # The fused kernel's warpgroup index is static there, so its hand-over ids are immediates.
     assert bool(re.search(r"bar\.arrive \d+, 256;", txt)) == (ring and fused)
     assert bool(re.search(r"bar\.sync \d+, 256;", txt)) == (ring and fused)
+    if ring and fused:
+      ids = {int(i) for i in re.findall(r"bar\.(?:sync|arrive) (\d+), 256;", txt)}
+      ready, free = sync.fused_ds_ready(mcs), sync.fused_ds_free(mcs)
+      assert ids == {ready, ready + 1, free, free + 1}
   assert bwd.BwdTuningConfig().named_barriers is None
   with pytest.raises(ValueError, match="named_barriers"):
     bwd.BwdTuningConfig(named_barriers=1)
+
+
+def test_barrier_table_fits_every_legal_ring():
+  """Every kernel's named-barrier ids lie between Mosaic GPU's own (0-3) and the 16 of a CTA for
+  every ring depth a config accepts."""
+  for mcs in (2, 3, 4):
+    for kernel in ("fwd", "dq", "dkv", "fused"):
+      assert sync.FIRST_FREE_ID < sync.last_id_used(kernel, mcs) < sync.NUM_NAMED_BARRIERS
+  assert sync.fused_ds_ready(3) == sync.bwd_ring_release(0, 3) + 3  # right after the ring
+  with pytest.raises(ValueError, match="kernel"):
+    sync.last_id_used("decode", 2)
 
 
 def test_fused_backward_rejects_unsupported():
   from liquidcp_jax.pallas import tile_attention_bwd as bwd
   from liquidcp_jax.pallas import tile_attention_bwd_fused as fused
   assert fused.supports(bwd.BwdTuningConfig(), 128) == (True, "")
-  assert not fused.supports(bwd.BwdTuningConfig(), 64)[0]
-  assert fused.supports(bwd.BwdTuningConfig(fused_split="wg"), 64) == (True, "")
-  assert not fused.supports(bwd.BwdTuningConfig(block_q_dkv=128), 128)[0]
+  assert "head_dim 128" in fused.supports(bwd.BwdTuningConfig(), 64)[1]
+  assert "block_q_dkv=64" in fused.supports(bwd.BwdTuningConfig(block_q_dkv=128), 128)[1]
   assert fused.supports(bwd.BwdTuningConfig(max_concurrent_steps=3), 128) == (True, "")
   assert "SMEM" in fused.supports(bwd.BwdTuningConfig(max_concurrent_steps=4), 128)[1]
-  assert "SMEM" in fused.supports(bwd.BwdTuningConfig(fused_split="wg", max_concurrent_steps=3),
-                                  128)[1]
   with pytest.raises(ValueError, match="fused"):
     bwd.BwdTuningConfig(fused="yes")
-  with pytest.raises(ValueError, match="fused_from_tokens_per_segment"):
-    bwd.BwdTuningConfig(fused_from_tokens_per_segment=0)
-  with pytest.raises(ValueError, match="fused_split"):
-    bwd.BwdTuningConfig(fused_split="half")
   q = jnp.ones((128, 2, 64), jnp.bfloat16)
   k = jnp.ones((128, 1, 64), jnp.bfloat16)
   lse = jnp.zeros((128, 2), jnp.float32)
@@ -375,9 +358,9 @@ def test_interpret_whole_gap_tiles_are_zero(persistent, num_ctas):
   (out, lse), vjp = jax.vjp(f, q, k, v)
   grads = vjp((do, jnp.zeros_like(lse)))
   z = np.zeros(2, np.int32)
-  ro, rl = fwd.reference_attention(q, k, v, qs, ln, qs, ln, z, z, 2, causal=True, sm_scale=0.125)
-  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, 2, causal=True,
-                                     sm_scale=0.125)
+  seg = Segments(qs, ln, qs, ln, z, z, 2)
+  ro, rl = ref.segment_attention_reference(q, k, v, seg, causal=True, scale=0.125)
+  refs = ref.segment_attention_reference_vjp(q, k, v, do, seg, causal=True, scale=0.125)
   gap = np.ones(t, bool)
   gap[0:100] = gap[400:450] = False
   out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
@@ -388,47 +371,6 @@ def test_interpret_whole_gap_tiles_are_zero(persistent, num_ctas):
     g = np.asarray(g, np.float64)
     np.testing.assert_array_equal(g[gap], 0.0, err_msg=name)
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3, name
-
-
-@pytest.mark.parametrize("dq_early,ds_stages,named,mcs", [
-    (True, 1, None, 2), (False, 2, None, 2), (True, 2, None, 2), (True, 2, None, 3),
-    (True, 2, True, 2)])
-def test_fused_schedule_options_gpu_lowering(dq_early, ds_stages, named, mcs):
-  """BwdTuningConfig.fused_dq_early / fused_ds_stages (with mbarrier and named hand-overs, 2 and
-  3 ring slots) lower to one Mosaic GPU call within the SMEM budget (Mosaic checks it while
-  lowering); the SMEM estimate grows by the second dS^T buffer (128 keys x 64 queries, bf16)."""
-  import re
-
-  import jax
-  from liquidcp_jax.pallas import tile_attention_bwd as bwd
-  from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
-  sd = jax.ShapeDtypeStruct
-  q, k = sd((640, 8, 128), jnp.bfloat16), sd((640, 2, 128), jnp.bfloat16)
-  lse, seg = sd((640, 8), jnp.float32), sd((3,), jnp.int32)
-  cfg = bwd.BwdTuningConfig(fused=True, max_concurrent_steps=mcs, named_barriers=named,
-                            fused_dq_early=dq_early, fused_ds_stages=ds_stages)
-  assert fused_lib.supports(cfg, 128) == (True, "")
-  one = dataclasses.replace(cfg, fused_ds_stages=1)
-  assert fused_lib.smem_bytes(cfg, 128) - fused_lib.smem_bytes(one, 128) == (
-      (ds_stages - 1) * 128 * 64 * 2)
-  f = jax.jit(lambda *a: api.pallas_segment_attention_bwd(*a, causal=True, sm_scale=0.1,
-                                                          config=cfg))
-  txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 1
-  assert bool(re.search(r"bar\.sync \d+, 256;", txt)) == bool(named)
-
-
-def test_fused_schedule_options_validated():
-  from liquidcp_jax.pallas import tile_attention_bwd as bwd
-  with pytest.raises(ValueError, match="fused_ds_stages"):
-    bwd.BwdTuningConfig(fused_ds_stages=3)
-  with pytest.raises(ValueError, match="fused_dq_early"):
-    bwd.BwdTuningConfig(fused_dq_early=1)
-  with pytest.raises(ValueError, match="fused_row_bias"):
-    bwd.BwdTuningConfig(fused_row_bias=None)
-  with pytest.raises(ValueError, match="task_order"):
-    bwd.BwdTuningConfig(task_order="lpt")
 
 
 def test_run_time_fused_choice_takes_the_right_branch(monkeypatch):
@@ -451,7 +393,8 @@ def test_run_time_fused_choice_takes_the_right_branch(monkeypatch):
 
   monkeypatch.setattr(fused_lib, "fused_bwd_kernel_call", stand_in)
   monkeypatch.setattr(api, "_fused_mode", lambda *a: "run_time")
-  cfg = bwd.BwdTuningConfig(fused_from_tokens_per_segment=100)
+  monkeypatch.setattr(heuristics, "FUSED_FROM_TOKENS_PER_SEGMENT", 100)
+  cfg = bwd.BwdTuningConfig()
   rng = np.random.default_rng(5)
   t, hq, hkv, d, scale = 256, 2, 1, 64, 0.125
 
@@ -474,8 +417,8 @@ def test_run_time_fused_choice_takes_the_right_branch(monkeypatch):
   qs, ln = np.array([0, 60, 120], np.int32), np.array([60, 60, 60], np.int32)
   got = grads(q, k, v, do, qs, ln, 3)
   z = np.zeros(3, np.int32)
-  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, 3, causal=True,
-                                     sm_scale=scale)
+  refs = ref.segment_attention_reference_vjp(q, k, v, do, Segments(qs, ln, qs, ln, z, z, 3),
+                                             causal=True, scale=scale)
   for name, a, b in zip(("dq", "dk", "dv"), got, refs):
     a = np.asarray(a, np.float64)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-3, name

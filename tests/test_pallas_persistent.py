@@ -1,15 +1,18 @@
 """The persistent Mosaic GPU forward (one CTA per SM walking (task, head) items), interpret mode.
 
 A small grid (2-3 CTAs) makes every CTA run several items, so the carried KV ring, the
-double-buffered Q tile and the snake order across rounds are all exercised on CPU.
+Q tile freed after each item's last Q K^T and the snake order across rounds are exercised on CPU.
 """
 import numpy as np
 import pytest
 import jax.numpy as jnp
 
+from liquidcp_jax import reference as ref
 from liquidcp_jax.pallas import api
 from liquidcp_jax.pallas import tile_attention_fwd as fwd
 from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers
+from liquidcp_jax.pallas.common import SMEM_LIMIT
+from liquidcp_jax.pallas.tables import Segments
 
 
 @pytest.mark.parametrize("causal,num_ctas,mcs", [(True, 3, 2), (False, 2, 3)])
@@ -26,8 +29,8 @@ def test_interpret_persistent_forward(causal, num_ctas, mcs):
   out, lse = api.varlen_attention(q, k, v, qs, ks, ln, 3, causal=causal, sm_scale=0.125,
                                   interpret=True, config=cfg)
   z = np.zeros(4, np.int32)
-  ro, rl = fwd.reference_attention(q, k, v, qs, ln, ks, ln, z, z, 3, causal=causal,
-                                   sm_scale=0.125)
+  ro, rl = ref.segment_attention_reference(q, k, v, Segments(qs, ln, ks, ln, z, z, 3),
+                                           causal=causal, scale=0.125)
   out = np.asarray(out, np.float64)
   lse = np.asarray(lse, np.float64)
   cov = np.isfinite(rl[:, 0])
@@ -36,35 +39,6 @@ def test_interpret_persistent_forward(causal, num_ctas, mcs):
   np.testing.assert_allclose(lse[cov], rl[cov], atol=1e-4, rtol=1e-4)
   np.testing.assert_array_equal(out[~cov], 0.0)
   assert np.isneginf(lse[~cov]).all()
-
-
-@pytest.mark.parametrize("persistent", [True, False])
-def test_interpret_forward_segment_order(persistent):
-  """TuningConfig.task_order="segment" (the table launched sequence by sequence): out and LSE vs
-  float64, the LSE read back through the table's row -> launch-index map. The lengths make the
-  segment order differ from the heaviest-first one (checked), so the permutation is exercised."""
-  from liquidcp_jax.pallas import tables as tl
-  rng = np.random.default_rng(43)
-  t, hq, hkv, d = 472, 2, 1, 64
-  qs = np.array([0, 261, 463, 0], np.int32)
-  ln = np.array([260, 200, 5, 3], np.int32)  # the 4th entry is beyond num_segs: ignored
-  z = np.zeros(4, np.int32)
-  orders = [tl.build_task_table(qs, ln, qs, ln, z, z, 3, tq=t, tk=512, block_q=128, block_kv=64,
-                                causal=True, launch_order=o).table for o in ("work", "segment")]
-  assert not np.array_equal(*orders)
-  q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float16)
-  k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float16)
-  v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float16)
-  cfg = api.TuningConfig(persistent=persistent, num_ctas=3, block_kv=64, task_order="segment")
-  out, lse = api.varlen_attention(q, k, v, qs, qs, ln, 3, causal=True, sm_scale=0.125,
-                                  interpret=True, config=cfg)
-  ro, rl = fwd.reference_attention(q, k, v, qs, ln, qs, ln, z, z, 3, causal=True, sm_scale=0.125)
-  out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-  cov = np.isfinite(rl[:, 0])
-  assert (~cov).sum() == 7  # rows in no segment: 260, 461-462, 468-471
-  assert np.linalg.norm(out[cov] - ro[cov]) / np.linalg.norm(ro[cov]) < 2e-3
-  np.testing.assert_allclose(lse[cov], rl[cov], atol=1e-4, rtol=1e-4)
-  np.testing.assert_array_equal(out[~cov], 0.0)
 
 
 def test_snake_order_covers_every_item_once():
@@ -81,8 +55,8 @@ def test_snake_order_covers_every_item_once():
 def test_num_ctas_validated():
   with pytest.raises(ValueError, match="num_ctas"):
     api.TuningConfig(persistent=True, num_ctas=0)
-  with pytest.raises(ValueError, match="task_order"):
-    api.TuningConfig(task_order="lpt")
+  with pytest.raises(ValueError, match="max_concurrent_steps"):
+    api.TuningConfig(max_concurrent_steps=1)
 
 
 _GPU_OK, _GPU_WHY = api.is_supported(jnp.bfloat16, 128)
@@ -110,8 +84,8 @@ def test_persistent_forward_gpu(causal, hq, hkv, d, dtype):
   jax.block_until_ready(f(q * jnp.nan, k, v))
   out, lse = f(q, k, v)
   z = np.zeros_like(lens)
-  ro, rl = fwd.reference_attention(q, k, v, qs, lens, ks, lens, z, z, len(lens), causal=causal,
-                                   sm_scale=scale)
+  ro, rl = ref.segment_attention_reference(q, k, v, Segments(qs, lens, ks, lens, z, z, len(lens)),
+                                           causal=causal, scale=scale)
   out = np.asarray(out, np.float64)
   lse = np.asarray(lse, np.float64)
   cov = np.isfinite(rl[:, 0])
@@ -146,7 +120,7 @@ def test_persistent_gpu_lowering_fits_smem(d):
   else:
     # The largest ring the estimate admits at head_dim 64 (162 KiB) lowers: Mosaic agrees.
     cfg = api.TuningConfig(persistent=True, num_ctas=132, max_concurrent_steps=4)
-    assert fwd.smem_bytes(cfg, d) <= fwd._SMEM_LIMIT
+    assert fwd.smem_bytes(cfg, d) <= SMEM_LIMIT
     assert "mosaic_gpu" in lower(cfg)
 
 
@@ -192,10 +166,9 @@ def test_whole_gap_tiles_gpu(num_ctas, fused):
   jax.block_until_ready(run(q * jnp.nan, k * jnp.nan, v, do * jnp.nan))
   out, lse, *grads = (np.asarray(x, np.float64) for x in run(q, k, v, do))
   z = np.zeros_like(ln)
-  ro, rl = fwd.reference_attention(q, k, v, qs, ln, qs, ln, z, z, len(ln), causal=True,
-                                   sm_scale=0.088)
-  refs = bwd.reference_attention_bwd(q, k, v, do, qs, ln, qs, ln, z, z, len(ln), causal=True,
-                                     sm_scale=0.088)
+  seg = Segments(qs, ln, qs, ln, z, z, len(ln))
+  ro, rl = ref.segment_attention_reference(q, k, v, seg, causal=True, scale=0.088)
+  refs = ref.segment_attention_reference_vjp(q, k, v, do, seg, causal=True, scale=0.088)
   gap = np.ones(t, bool)
   for s, n in zip(qs, ln):
     gap[s:s + n] = False

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from liquidcp_jax.pallas import tables as T
+from liquidcp_jax.reference import segment_visibility
 
 
 def _case(rng, causal, s_cap=6):
@@ -31,7 +32,7 @@ def test_every_pair_covered_exactly_once(causal, block_kv):
     args, n, tq, tk = _case(rng, causal)
     tt = T.build_task_table(*args, n, tq=tq, tk=tk, block_q=128, block_kv=block_kv, causal=causal)
     cnt = T.table_visibility(tt, tq, tk)
-    ref = T.segment_visibility(*args, n, tq, tk, causal)
+    ref = segment_visibility((*args, n), tq, tk, causal)
     assert ref.sum() > 0
     np.testing.assert_array_equal(cnt, ref.astype(np.int64))
 
@@ -46,7 +47,7 @@ def test_reverse_table_is_the_transpose(causal):
     tt = T.build_task_table(ks, kl, qs, ql, kp, qp, n, tq=tkr, tk=tqc, block_q=128, block_kv=64,
                             causal=causal, reverse=True)
     cnt = T.table_visibility(tt, tkr, tqc)[:tk, :tq]
-    ref = T.segment_visibility(qs, ql, ks, kl, qp, kp, n, tq, tk, causal)
+    ref = segment_visibility((qs, ql, ks, kl, qp, kp, n), tq, tk, causal)
     np.testing.assert_array_equal(cnt, ref.T.astype(np.int64))
     tab = tt.table
     assert (tab[:, T.F["t_lo"]] <= np.maximum(tab[:, T.F["full_lo"]], tab[:, T.F["t_lo"]])).all()

@@ -98,3 +98,72 @@ def test_reference_rows_match_full_reference(rng, causal):
     np.testing.assert_allclose(dq, rdq[rows], rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="rows"):
         ref.attention_reference_rows(q, k, v, do, lengths, [T])
+
+
+def _ring_segments():
+    """Segments with gaps, shifted positions (a "full" step: keys before queries; a back-chunk
+    step: more keys than queries) and a stale entry beyond num_segs."""
+    from liquidcp_jax.pallas.tables import Segments
+    a = lambda *x: np.array(x, np.int32)
+    return Segments(q_start=a(0, 30, 52, 0), q_len=a(25, 20, 9, 7), kv_start=a(0, 25, 31, 3),
+                    kv_len=a(25, 6, 17, 7), q_pos0=a(0, 6, 17, 0), kv_pos0=a(0, 0, 0, 0),
+                    num_segs=np.int32(3))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_reference_equals_packed_reference(rng, causal):
+    """Self-attention segments (equal query / key ranges, positions from 0) give the packed
+    reference's results; rows in no segment get out = 0, lse = -inf and no gradient."""
+    from liquidcp_jax.pallas.tables import Segments
+    lengths = [5, 1, 12]
+    starts = np.array([0, 7, 8], np.int32)  # rows 5-6 and 20-21 are in no segment
+    q = rng.standard_normal((22, 4, 8))
+    k, v = rng.standard_normal((22, 2, 8)), rng.standard_normal((22, 2, 8))
+    do = rng.standard_normal(q.shape)
+    z = np.zeros(3, np.int32)
+    seg = Segments(starts, np.array(lengths, np.int32), starts, np.array(lengths, np.int32), z, z, 3)
+    o, l = ref.segment_attention_reference(q, k, v, seg, causal=causal, scale=0.3)
+    grads = ref.segment_attention_reference_vjp(q, k, v, do, seg, causal=causal, scale=0.3)
+    rows = np.r_[0:5, 7:20]
+    ro, rl = ref.attention_reference(q[rows], k[rows], v[rows], lengths, causal=causal, scale=0.3)
+    rg = ref.attention_reference_vjp(q[rows], k[rows], v[rows], do[rows], lengths, causal=causal,
+                                     scale=0.3)
+    np.testing.assert_allclose(o[rows], ro, atol=1e-12)
+    np.testing.assert_allclose(l[rows], rl, atol=1e-12)
+    for g, r in zip(grads, rg):
+        np.testing.assert_allclose(g[rows], r, atol=1e-12)
+    gap = np.r_[5:7, 20:22]
+    assert (o[gap] == 0).all() and np.isneginf(l[gap]).all()
+    for g in grads:
+        assert (g[gap] == 0).all()
+
+
+def test_segment_visibility_uses_positions():
+    """Visibility follows token positions, not rows: a segment whose keys all precede its queries
+    is fully visible, a causal chunk pair is lower-triangular, rows in no segment see nothing."""
+    vis = ref.segment_visibility(_ring_segments(), 61, 48, causal=True)
+    np.testing.assert_array_equal(vis[:25, :25], np.tril(np.ones((25, 25), bool)))
+    assert vis[30:50, 25:31].all() and vis[52:61, 31:48].all()
+    assert not vis[25:30].any() and not vis[50:52].any()  # gaps between segments
+    assert vis.sum() == 25 * 26 // 2 + 20 * 6 + 9 * 17  # the stale 4th entry adds nothing
+    full = ref.segment_visibility(_ring_segments(), 61, 48, causal=False)
+    assert full.sum() == 25 * 25 + 20 * 6 + 9 * 17
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_xla_twins_match_float64_segment_reference(rng, causal):
+    """The portable XLA twins of the segment kernels (float32, chunked) against the float64
+    segment reference: out, LSE, and the gradients given the reference's out / LSE."""
+    seg = _ring_segments()
+    q = rng.standard_normal((61, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((48, 2, 16)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = ref.xla_segment_attention(q, k, v, seg, causal=causal, sm_scale=0.25, chunk=16)
+    ro, rl = ref.segment_attention_reference(q, k, v, seg, causal=causal, scale=0.25)
+    assert ref.rel_error(out, ro) < 1e-5
+    assert ref.rel_error(lse, rl) < 1e-5  # -inf on the same rows
+    grads = ref.xla_segment_attention_bwd(q, k, v, ro.astype(np.float32), rl.astype(np.float32),
+                                          do, seg, causal=causal, sm_scale=0.25, chunk=16)
+    for g, r in zip(grads, ref.segment_attention_reference_vjp(q, k, v, do, seg, causal=causal,
+                                                               scale=0.25)):
+        assert ref.rel_error(g, r) < 1e-5

@@ -175,15 +175,13 @@ def _ring_step_segments():
 def _check_segment_kernels(rng, dtype, hq, hkv, d, interpret, bwd_config=None, tol=2e-2,
                            causal=True):
     from liquidcp_jax.pallas import api
-    from liquidcp_jax.pallas import tile_attention_bwd as bwd
-    from liquidcp_jax.pallas import tile_attention_fwd as fwd
     seg = _ring_step_segments()
     tq, tk = 310, 320
     mk = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
     q, k, v, do = mk(tq, hq, d), mk(tk, hkv, d), mk(tk, hkv, d), mk(tq, hq, d)
     out, lse = jax.jit(lambda *x: api.segment_attention(*x, seg, causal=causal, sm_scale=0.1,
                                                         interpret=interpret))(q, k, v)
-    ro, rl = fwd.reference_attention(*_f64(q, k, v), *seg, causal=causal, sm_scale=0.1)
+    ro, rl = ref.segment_attention_reference(*_f64(q, k, v), seg, causal=causal, scale=0.1)
     assert ref.rel_error(out, ro) < tol
     fin = np.isfinite(rl)
     assert (np.asarray(lse)[~fin] == -np.inf).all()
@@ -191,7 +189,7 @@ def _check_segment_kernels(rng, dtype, hq, hkv, d, interpret, bwd_config=None, t
     grads = jax.jit(lambda *x: api.segment_attention_bwd(
         *x, seg, causal=causal, sm_scale=0.1, config=bwd_config, interpret=interpret))(
             q, k, v, jnp.asarray(ro, dtype), jnp.asarray(rl, jnp.float32), do)
-    rg = bwd.reference_attention_bwd(*_f64(q, k, v, do), *seg, causal=causal, sm_scale=0.1)
+    rg = ref.segment_attention_reference_vjp(*_f64(q, k, v, do), seg, causal=causal, scale=0.1)
     for g, r in zip(grads, rg):
         g = np.asarray(g, np.float64)
         assert np.isfinite(g).all()
@@ -345,12 +343,11 @@ def test_emulated_ring_pallas_interpret(rng):
 def test_emulated_ring_xla_eight_devices(rng):
     """The host emulation used by the GPU test below, on the same kind of 8-device plan (groups of
     sizes 1-8), with the XLA twin of the kernels: it must reproduce the float64 reference too."""
-    from liquidcp_jax.pallas import api
     lengths = [300, 17, 129, 1, 64, 250, 90, 33]
     pl = mixed_placement(lengths)
     plan = _host_plan(lengths, pl, build_layout(lengths, pl.starts, pl.sizes, 8, 16))
-    attend = jax.jit(lambda q, k, v, s: api.xla_segment_attention(q, k, v, s, causal=True, sm_scale=0.1))
-    attend_bwd = jax.jit(lambda *a: api.xla_segment_attention_bwd(*a[:6], a[6], causal=True, sm_scale=0.1))
+    attend = jax.jit(lambda q, k, v, s: ref.xla_segment_attention(q, k, v, s, causal=True, sm_scale=0.1))
+    attend_bwd = jax.jit(lambda *a: ref.xla_segment_attention_bwd(*a[:6], a[6], causal=True, sm_scale=0.1))
     _check_emulated(plan, lengths, rng, attend, attend_bwd, 4, 2, 16, jnp.float32, 1e-5)
 
 

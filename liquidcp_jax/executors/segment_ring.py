@@ -13,7 +13,7 @@ straight to their owners.
 
 ``compute``: ``"pallas"`` runs :func:`liquidcp_jax.pallas.api.segment_attention` /
 ``segment_attention_bwd`` (the Mosaic GPU tile kernels, Hopper); ``"xla"`` runs their chunked XLA
-twins, so the ring's dataflow and segments are checked on a CPU mesh (the Mosaic GPU interpreter
+twins (:mod:`liquidcp_jax.reference.xla_twins`), so the ring's dataflow and segments are checked on a CPU mesh (the Mosaic GPU interpreter
 keeps one global shared-memory model and cannot run inside a multi-device ``shard_map``).
 
 Not yet the fused engine of paper §6: transfers and compute are separate XLA ops (XLA may
@@ -30,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
+from liquidcp_jax import reference
 from liquidcp_jax import state as state_lib
 from liquidcp_jax.executors import xla as xla_exec
 
@@ -68,7 +69,7 @@ def _attend(q, k, v, seg, spec: RingSpec):
     from liquidcp_jax.pallas import api
     r = spec.ring
     if spec.compute == "xla":
-        return api.xla_segment_attention(q, k, v, seg, causal=r.causal, sm_scale=r.scale)
+        return reference.xla_segment_attention(q, k, v, seg, causal=r.causal, sm_scale=r.scale)
     return api.segment_attention(q, k, v, seg, causal=r.causal, sm_scale=r.scale,
                                  config=spec.fwd_config, interpret=spec.interpret)
 
@@ -77,8 +78,8 @@ def _attend_bwd(q, k, v, out, lse, do, seg, spec: RingSpec):
     from liquidcp_jax.pallas import api
     r = spec.ring
     if spec.compute == "xla":
-        return api.xla_segment_attention_bwd(q, k, v, out, lse, do, seg, causal=r.causal,
-                                             sm_scale=r.scale)
+        return reference.xla_segment_attention_bwd(q, k, v, out, lse, do, seg, causal=r.causal,
+                                                   sm_scale=r.scale)
     return api.segment_attention_bwd(q, k, v, out, lse, do, seg, causal=r.causal,
                                      sm_scale=r.scale, config=spec.bwd_config,
                                      interpret=spec.interpret)

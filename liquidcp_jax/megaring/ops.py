@@ -8,7 +8,6 @@ one-step path or the Pallas segment ring.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 
@@ -206,22 +205,16 @@ def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: boo
 
 
 def one_step_configs(plan: MegaRingPlan):
-    """(``TuningConfig``, ``BwdTuningConfig``) of the one-step path. The persistent forward is
-    chosen from the plan's tokens per device, not from its layout's rows: the layout holds
-    ``local_capacity`` rows per device, a power-of-two bucket of the padded tokens (up to 2x the
-    tokens), and the rule was measured as tokens per segment slot on tight layouts (RESULTS.md);
-    counting the empty rows would, e.g., run the plain forward on a 128K batch of 9 sequences in
-    256K rows (ArXiv, run x). The backward keeps ``fused=None``: it picks the fused kernel on the
-    device from the batch's actual segment lengths (``BwdTuningConfig.fused_at_run_time``)."""
+    """(``TuningConfig``, ``BwdTuningConfig``) of the one-step path: the persistent forward by the
+    plan's tokens per device (``pallas.heuristics.one_step_persistent``); the backward keeps
+    ``fused=None`` (chosen on the device from the batch's actual segment lengths)."""
     from liquidcp_jax.pallas import api as pallas_api
+    from liquidcp_jax.pallas import heuristics
     from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
-    rows = -(-plan.static.num_tokens // plan.static.num_devices)
+    static = plan.static
     slots = int(plan.segments[0].shape[1])
-    fwd = pallas_api.TuningConfig()
-    bwd = bwd_lib.BwdTuningConfig()
-    # bwd: the default fused=None (per batch on the device; the two kernels where the fused one
-    # cannot run: head_dim 64, interpret mode).
-    return dataclasses.replace(fwd, persistent=fwd.use_persistent(rows, slots)), bwd
+    persistent = heuristics.one_step_persistent(static.num_tokens, static.num_devices, slots)
+    return pallas_api.TuningConfig(persistent=persistent), bwd_lib.BwdTuningConfig()
 
 
 def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:

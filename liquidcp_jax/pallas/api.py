@@ -1,14 +1,15 @@
 """Public entry points of the Pallas tile-attention kernels.
 
 ``varlen_attention`` is a ``jax.custom_vjp`` op over packed variable-length segments. Forward:
-the Mosaic GPU kernel in :mod:`tile_attention_fwd`. Backward (``bwd_impl="pallas"``, default): the
-dQ and dK/dV Mosaic GPU kernels in :mod:`tile_attention_bwd` (or the fused one); ``bwd_impl="xla"``:
-:func:`xla_segment_attention_bwd`, a chunked XLA implementation.
+the Mosaic GPU kernel in :mod:`tile_attention_fwd` (or its persistent variant). Backward
+(``bwd_impl="pallas"``, default): the dQ and dK/dV Mosaic GPU kernels in :mod:`tile_attention_bwd`
+or the fused one; ``bwd_impl="xla"``: ``reference.xla_segment_attention_bwd``, a chunked XLA
+implementation.
 
 ``segment_attention`` / ``segment_attention_bwd`` are the general, non-differentiable pair over
 :class:`tables.Segments` (query / key lengths and token positions per segment): the Compute task
-of one ring step, whose backward takes the final out / LSE. ``xla_segment_attention`` /
-``xla_segment_attention_bwd`` are their portable twins (CPU).
+of one ring step, whose backward takes the final out / LSE. Their portable twins are
+``reference.xla_segment_attention`` / ``xla_segment_attention_bwd``.
 """
 from __future__ import annotations
 
@@ -18,13 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from liquidcp_jax.pallas import heuristics
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
 from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
 from liquidcp_jax.pallas import tile_attention_fwd as fwd_lib
+from liquidcp_jax.pallas.common import LOG2E, TASK_ROWS
+from liquidcp_jax.reference.xla_twins import xla_segment_attention_bwd
 
 TuningConfig = fwd_lib.TuningConfig
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Task-table launch orders (``tables.build_task_table``): the forward runs the batch's heaviest
+# tasks first; the backward sequence by sequence, so the CTAs resident at one time share one
+# sequence's tiles (see docs/decisions.md).
+FWD_LAUNCH_ORDER = "work"
+BWD_LAUNCH_ORDER = "segment"
 
 
 def is_supported(q_dtype, head_dim) -> tuple[bool, str]:
@@ -69,28 +78,9 @@ def _check(q, k, v, config):
   fwd_lib.check_smem(config, q.shape[2], jnp.dtype(q.dtype).itemsize)
 
 
-def _as_segments(seg, names=None) -> "tables_lib.Segments":
-  """Checks ``seg`` (a :class:`tables.Segments`: six [S_cap] arrays and a scalar) and returns it
-  as int32 arrays. ``names``: the caller's argument name per field (default ``segments.<field>``)."""
-  if not isinstance(seg, tables_lib.Segments):
-    raise ValueError(f"segments must be a pallas.tables.Segments, got {type(seg).__name__}")
-  fields = tables_lib.Segments._fields
-  names = names or {f: f"segments.{f}" for f in fields}
-  s_cap = jnp.shape(seg.q_start)
-  if len(s_cap) != 1:
-    raise ValueError(f"{names['q_start']} must be int32 [S_cap], got shape {s_cap}")
-  for f, a in zip(fields[:6], seg[:6]):
-    if jnp.shape(a) != s_cap:
-      raise ValueError(f"{names[f]} must be int32 [S_cap] like {names['q_start']} {s_cap}, got "
-                       f"{jnp.shape(a)}")
-  if jnp.ndim(seg.num_segs) != 0:
-    raise ValueError(f"{names['num_segs']} must be a scalar, got shape {jnp.shape(seg.num_segs)}")
-  return tables_lib.Segments(*(jnp.asarray(a, jnp.int32) for a in seg))
-
-
 def _forward(q, k, v, seg, causal, sm_scale, config, interpret):
   tq0, hq, d = q.shape
-  tr, bkv = config.task_rows, config.block_kv
+  tr, bkv = TASK_ROWS, config.block_kv
   tk0 = k.shape[0]
   tqp = max(-(-tq0 // tables_lib.ROW_ALIGN) * tables_lib.ROW_ALIGN, tr)
   qp = q if tqp == tq0 else jnp.pad(q, ((0, tqp - tq0), (0, 0), (0, 0)))
@@ -100,7 +90,7 @@ def _forward(q, k, v, seg, causal, sm_scale, config, interpret):
     kp = jnp.pad(k, ((0, tk - tk0), (0, 0), (0, 0)))
     vp = jnp.pad(v, ((0, tk - tk0), (0, 0), (0, 0)))
   tt = tables_lib.build_task_table(*seg, tq=qp.shape[0], tk=tk, block_q=tr, block_kv=bkv,
-                                   causal=causal, launch_order=config.task_order, xp=jnp)
+                                   causal=causal, launch_order=FWD_LAUNCH_ORDER, xp=jnp)
   kernel = fwd_lib.tile_attention_fwd
   if config.use_persistent(tq0, seg.q_start.shape[0]):
     from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers_lib
@@ -111,107 +101,6 @@ def _forward(q, k, v, seg, causal, sm_scale, config, interpret):
   return out[:tq0], lse[:tq0]
 
 
-def _row_segments(seg_start, seg_len, seg_pos0, num_segs, t):
-  """Per row of a [t, ...] buffer: (segment id or -1, token position)."""
-  s_cap = seg_start.shape[0]
-  live = (jnp.arange(s_cap) < num_segs) & (seg_len > 0)
-  rows = jnp.arange(t)
-  inside = (rows[:, None] >= seg_start[None]) & (rows[:, None] < (seg_start + seg_len)[None])
-  inside = inside & live[None]
-  sid = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
-  s0 = jnp.maximum(sid, 0)
-  pos = jnp.where(sid >= 0, rows - seg_start[s0] + seg_pos0[s0], 0)
-  return sid.astype(jnp.int32), pos.astype(jnp.int32)
-
-
-def _xla_chunks(q, k, seg, causal, chunk):
-  """Shared set-up of the XLA segment paths: per key (segment, position), per query chunk the
-  same, and a function padding [tq, ...] arrays to whole chunks [n, chunk, ...]."""
-  tq, tk = q.shape[0], k.shape[0]
-  sq, pq = _row_segments(seg.q_start, seg.q_len, seg.q_pos0, seg.num_segs, tq)
-  sk, pk = _row_segments(seg.kv_start, seg.kv_len, seg.kv_pos0, seg.num_segs, tk)
-  n = -(-tq // chunk)
-  padr = n * chunk - tq
-  pad = lambda a, val=0: jnp.pad(a, [(0, padr)] + [(0, 0)] * (a.ndim - 1),
-                                 constant_values=val).reshape(n, chunk, *a.shape[1:])
-
-  def visible(sqb, pqb):
-    vis = (sqb[:, None] == sk[None]) & (sqb[:, None] >= 0)
-    return vis & (pk[None] <= pqb[:, None]) if causal else vis
-
-  return n, pad, pad(sq, -1), pad(pq), visible
-
-
-def xla_segment_attention(q, k, v, segments, *, causal, sm_scale, chunk=512):
-  """Forward in XLA (float32 math, chunks of ``chunk`` query rows): the portable twin of
-  :func:`segment_attention` with the same arguments and results (rows in no segment, or whose
-  keys are all masked: out = 0, lse = -inf)."""
-  seg = _as_segments(segments)
-  tq, hq, d = q.shape
-  hkv = k.shape[1]
-  g = hq // hkv
-  n, pad, sqc, pqc, visible = _xla_chunks(q, k, seg, causal, chunk)
-  kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-
-  def body(_, xs):
-    qb, sqb, pqb = xs
-    s = jnp.einsum("qhgd,khd->hgqk", qb.astype(jnp.float32), kf) * sm_scale
-    vis = visible(sqb, pqb)[None, None]
-    s = jnp.where(vis, s, -jnp.inf)
-    m = jnp.max(s, -1, keepdims=True)
-    ms = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(vis, jnp.exp(s - ms), 0.0)
-    l = jnp.sum(p, -1)
-    o = jnp.einsum("hgqk,khd->qhgd", p, vf) / jnp.where(l > 0, l, 1.0).transpose(2, 0, 1)[..., None]
-    lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + ms[..., 0], -jnp.inf)
-    return None, (o, lse.transpose(2, 0, 1))
-
-  _, (o, lse) = jax.lax.scan(body, None, (pad(q).reshape(n, chunk, hkv, g, d), sqc, pqc))
-  return (o.reshape(n * chunk, hq, d)[:tq].astype(q.dtype),
-          lse.reshape(n * chunk, hq)[:tq])
-
-
-def xla_segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, chunk=512):
-  """Backward in XLA (chunks of ``chunk`` query rows, float32 math). Returns dq, dk, dv.
-
-  ``out`` / ``lse`` are the final output and natural-log LSE of every query row: when they come
-  from more keys than these segments hold (the other steps of a ring), the gradients are this
-  call's share, and the shares over all steps sum to the full gradients."""
-  seg = _as_segments(segments)
-  tq, hq, d = q.shape
-  tk, hkv, _ = k.shape
-  g = hq // hkv
-  n, pad, sqc, pqc, visible = _xla_chunks(q, k, seg, causal, chunk)
-  delta = jnp.einsum("thd,thd->th", do.astype(jnp.float32), out.astype(jnp.float32))
-  qc = pad(q).reshape(n, chunk, hkv, g, d)
-  doc = pad(do).reshape(n, chunk, hkv, g, d)
-  lsec = pad(lse, -jnp.inf).reshape(n, chunk, hkv, g)
-  dlc = pad(delta).reshape(n, chunk, hkv, g)
-  kf = k.astype(jnp.float32)
-  vf = v.astype(jnp.float32)
-
-  def body(carry, xs):
-    dk, dv = carry
-    qb, dob, lb, dlb, sqb, pqb = xs
-    qb = qb.astype(jnp.float32)
-    dob = dob.astype(jnp.float32)
-    vis = visible(sqb, pqb)
-    s = jnp.einsum("qhgd,khd->hgqk", qb, kf) * sm_scale
-    lt = jnp.transpose(lb, (1, 2, 0))[..., None]
-    p = jnp.where(vis[None, None], jnp.exp(s - jnp.where(jnp.isfinite(lt), lt, 0.0)), 0.0)
-    dv = dv + jnp.einsum("hgqk,qhgd->khd", p, dob)
-    dp = jnp.einsum("qhgd,khd->hgqk", dob, vf)
-    ds = p * (dp - jnp.transpose(dlb, (1, 2, 0))[..., None]) * sm_scale
-    dq = jnp.einsum("hgqk,khd->qhgd", ds, kf)
-    dk = dk + jnp.einsum("hgqk,qhgd->khd", ds, qb)
-    return (dk, dv), dq
-
-  z = jnp.zeros((tk, hkv, d), jnp.float32)
-  (dk, dv), dq = jax.lax.scan(body, (z, z), (qc, doc, lsec, dlc, sqc, pqc))
-  dq = dq.reshape(n * chunk, hq, d)[:tq]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
 def _roundup(x, m):
   return max(-(-x // m) * m, m)
 
@@ -220,9 +109,9 @@ def _fused_mode(config, head_dim, interpret, num_q_rows) -> str:
   """How the backward picks the fused dK/dV/dQ kernel (``BwdTuningConfig.fused``): "never",
   "always" (``True``: errors where it cannot run) or "run_time" (``None``, where it can run and a
   long enough segment fits: both backward paths are compiled and
-  :meth:`BwdTuningConfig.fused_at_run_time` chooses per batch)."""
+  :func:`heuristics.fused_backward_at_run_time` chooses per batch)."""
   if config.fused is None:
-    ok = (not interpret and config.may_fuse(num_q_rows)
+    ok = (not interpret and heuristics.fused_backward_may_run(num_q_rows)
           and fused_lib.supports(config, head_dim)[0])
     return "run_time" if ok else "never"
   if not config.fused:
@@ -264,7 +153,7 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
       raise ValueError(f"{name}.shape {x.shape} must equal q.shape {q.shape}")
   if lse.shape != q.shape[:2]:
     raise ValueError(f"lse.shape {lse.shape} must be [Tq, Hq] = {q.shape[:2]}")
-  seg = _as_segments(segments)
+  seg = tables_lib.as_segments(segments)
   tq, hq, d = q.shape
   tk = k.shape[0]
   tqb, tkb = _roundup(tq, 128), _roundup(tk, 128)
@@ -272,14 +161,14 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
   qb, dob = padr(q, tqb), padr(do, tqb)
   kb, vb = padr(k, tkb), padr(v, tkb)
   delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
-  lse2 = jnp.where(jnp.isfinite(lse), lse * fwd_lib._LOG2E, jnp.inf).T
+  lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf).T
   delta = jnp.pad(delta, ((0, 0), (0, tqb - tq)))
   lse2 = jnp.pad(lse2, ((0, 0), (0, tqb - tq)), constant_values=jnp.inf)
   # The dK/dV view: rows are keys, columns are queries.
   t_kv = tables_lib.build_task_table(seg.kv_start, seg.kv_len, seg.q_start, seg.q_len, seg.kv_pos0,
                                      seg.q_pos0, seg.num_segs, tq=tkb, tk=tqb, block_q=128,
                                      block_kv=config.block_q_dkv, causal=causal, reverse=True,
-                                     launch_order=config.task_order, xp=jnp)
+                                     launch_order=BWD_LAUNCH_ORDER, xp=jnp)
 
   def fused():
     acc = jax.new_ref(jnp.zeros((tqb, hq, d), jnp.float32))
@@ -292,7 +181,7 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
   def two_kernels():
     t_dq = tables_lib.build_task_table(*seg, tq=tqb, tk=tkb, block_q=128,
                                        block_kv=config.block_kv_dq, causal=causal,
-                                       launch_order=config.task_order, xp=jnp)
+                                       launch_order=BWD_LAUNCH_ORDER, xp=jnp)
     dq = bwd_lib.dq_kernel_call(qb, kb, vb, dob, lse2, delta, t_dq.table, t_dq.capacity,
                                 causal=causal, sm_scale=sm_scale, config=config,
                                 interpret=interpret)
@@ -303,7 +192,8 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
 
   mode = _fused_mode(config, d, interpret, tq)
   if mode == "run_time":
-    return jax.lax.cond(config.fused_at_run_time(seg.q_len, seg.num_segs), fused, two_kernels)
+    return jax.lax.cond(heuristics.fused_backward_at_run_time(seg.q_len, seg.num_segs), fused,
+                        two_kernels)
   return fused() if mode == "always" else two_kernels()
 
 
@@ -317,7 +207,7 @@ def segment_attention(q, k, v, segments, *, causal: bool, sm_scale: float,
   (out [Tq, Hq, D] q.dtype, lse [Tq, Hq] float32 natural log); rows in no segment, or whose keys
   are all masked, get out = 0, lse = -inf."""
   config = TuningConfig() if config is None else config
-  seg = _as_segments(segments)
+  seg = tables_lib.as_segments(segments)
   _check(q, k, v, config)
   if not isinstance(sm_scale, (int, float)):
     raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
@@ -373,7 +263,7 @@ def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, c
   seg = tuple(jnp.asarray(a, jnp.int32) for a in (seg_q_start, seg_kv_start, seg_len))
   names = {"q_start": "seg_q_start", "kv_start": "seg_kv_start", "q_len": "seg_len",
            "kv_len": "seg_len", "q_pos0": "seg_len", "kv_pos0": "seg_len", "num_segs": "num_segs"}
-  _as_segments(tables_lib.Segments.self_attention(*seg, jnp.asarray(num_segs, jnp.int32), xp=jnp),
+  tables_lib.as_segments(tables_lib.Segments.self_attention(*seg, jnp.asarray(num_segs, jnp.int32), xp=jnp),
                names)
   _check(q, k, v, config)
   if bwd_impl not in ("pallas", "xla"):

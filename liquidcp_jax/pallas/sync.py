@@ -1,10 +1,10 @@
-"""Hardware synchronization helpers shared by the Mosaic GPU kernels (Hopper sm_90a).
+"""Hardware named barriers of the Mosaic GPU kernels (Hopper sm_90a): every id in one table, and
+the two primitives built on them.
 
-Mosaic GPU's own named barriers are 0 (CTA-wide) and 1 + warpgroup index (warpgroup-wide, ids 1-3
-for our three warpgroups); the kernels use ids 4-15 (each kernel module says which). A hardware
-named barrier completes when its thread count has arrived (``bar.arrive``: arrive, no wait;
-``bar.sync``: arrive and wait), so a protocol on one must never let one warpgroup arrive twice in a
-phase; the docstrings of the users argue why theirs cannot.
+A hardware named barrier completes when its thread count has arrived (``bar.arrive``: arrive, no
+wait; ``bar.sync``: arrive and wait), so a protocol on one must never let one warpgroup arrive
+twice in a phase; the users' docstrings argue why theirs cannot. Ids of one kernel never overlap;
+kernels that never share a CTA may reuse ids.
 """
 from __future__ import annotations
 
@@ -14,6 +14,54 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+
+# ------------------------------------------------------------------------------------------------
+# The barrier table. 16 named barriers per CTA on sm_90; Mosaic GPU itself uses 0 (the whole CTA)
+# and 1 + warpgroup index (1-3 for our three warpgroups), so ours start at 4.
+NUM_NAMED_BARRIERS = 16
+FIRST_FREE_ID = 4
+
+# Forward, plain and persistent (``StepCtx``): the two compute warpgroups' ping-pong, 256 threads.
+# Warpgroup w waits on FWD_SCHED + w and signals the other's (ids 4, 5).
+FWD_SCHED = FIRST_FREE_ID
+
+# Backward, two kernels and fused, with named barriers on (``BwdTuningConfig.named_barriers``):
+# slot i of an SMEM ring is handed back to the producer on id BWD_RING_RELEASE + ring * mcs + i,
+# 384 threads (both compute warpgroups arrive, the producer syncs). dQ has two rings (0: K, 1: V),
+# dK/dV and the fused kernel one (0: Q / dO / LSE / delta), of mcs = max_concurrent_steps slots.
+BWD_RING_RELEASE = FIRST_FREE_ID
+
+
+def bwd_ring_release(ring: int, mcs: int) -> int:
+  """First id of ring ``ring``'s slot releases in a backward kernel with ``mcs`` ring slots."""
+  return BWD_RING_RELEASE + ring * mcs
+
+
+# Fused backward, after its one ring: the two compute warpgroups' per-step hand-overs of the
+# shared dS^T tile, 256 threads, each a pair (warpgroup w waits on id + w, signals the other's):
+# "ready" (both halves written) at 4 + mcs, "free" (both dQ wgmmas done) two ids later.
+def fused_ds_ready(mcs: int) -> int:
+  """First of the fused kernel's two "dS^T ready" ids (right after its ring's ``mcs`` ids)."""
+  return BWD_RING_RELEASE + mcs
+
+
+def fused_ds_free(mcs: int) -> int:
+  """First of the fused kernel's two "dS^T free" ids."""
+  return fused_ds_ready(mcs) + 2
+
+
+def last_id_used(kernel: str, mcs: int) -> int:
+  """The highest named-barrier id ``kernel`` ("fwd", "dq", "dkv" or "fused") uses with ``mcs``
+  ring slots (every kernel's ids must stay below :data:`NUM_NAMED_BARRIERS`)."""
+  last = {"fwd": FWD_SCHED + 1, "dq": bwd_ring_release(2, mcs) - 1,
+          "dkv": bwd_ring_release(1, mcs) - 1, "fused": fused_ds_free(mcs) + 1}
+  if kernel not in last:
+    raise ValueError(f"kernel must be one of {tuple(last)}, got {kernel!r}")
+  return last[kernel]
+
+
+# ------------------------------------------------------------------------------------------------
+# Primitives.
 
 def named_barrier(op: str, barrier_id, num_threads: int):
   """``bar.{op} barrier_id, num_threads`` (``op`` "sync" or "arrive") on a hardware named barrier,
@@ -63,3 +111,4 @@ class RingRelease(NamedTuple):
       plgpu.barrier_wait(self.used.at[slot])
     else:
       named_barrier("sync", self.named_base + slot, 3 * 128)
+

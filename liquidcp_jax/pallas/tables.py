@@ -1,6 +1,6 @@
 """Task tables for the tile-attention kernels (host NumPy or on-device jnp, same code).
 
-A *segment* is a run of queries ``q[q_start : q_start + q_len]`` attending keys
+A *segment* is a range of queries ``q[q_start : q_start + q_len]`` attending keys
 ``k[kv_start : kv_start + kv_len]`` with token positions ``q_pos0 + i`` / ``kv_pos0 + j``
 (causal: a key is visible iff its position <= the query's position). Rows of ``q`` covered by no
 segment become "gap" tasks with no keys, so that every output row is written by exactly one task
@@ -60,6 +60,26 @@ class Segments(NamedTuple):
     """Packed self-attention: equal query / key lengths, positions from 0 in both."""
     z = xp.zeros_like(length)
     return cls(q_start, length, kv_start, length, z, z, num_segs)
+
+
+def as_segments(seg, names=None) -> Segments:
+  """Checks ``seg`` (a :class:`Segments`: six [S_cap] arrays and a scalar) and returns it as
+  int32 arrays. ``names``: the caller's argument name per field (default ``segments.<field>``)."""
+  import jax.numpy as jnp
+  if not isinstance(seg, Segments):
+    raise ValueError(f"segments must be a pallas.tables.Segments, got {type(seg).__name__}")
+  fields = Segments._fields
+  names = names or {f: f"segments.{f}" for f in fields}
+  s_cap = jnp.shape(seg.q_start)
+  if len(s_cap) != 1:
+    raise ValueError(f"{names['q_start']} must be int32 [S_cap], got shape {s_cap}")
+  for f, a in zip(fields[:6], seg[:6]):
+    if jnp.shape(a) != s_cap:
+      raise ValueError(f"{names[f]} must be int32 [S_cap] like {names['q_start']} {s_cap}, got "
+                       f"{jnp.shape(a)}")
+  if jnp.ndim(seg.num_segs) != 0:
+    raise ValueError(f"{names['num_segs']} must be a scalar, got shape {jnp.shape(seg.num_segs)}")
+  return Segments(*(jnp.asarray(a, jnp.int32) for a in seg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +243,8 @@ def build_task_table(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs
 def _searchsorted_right(xp, a, v):
   """int32 ``searchsorted(a, v, side="right")``. With jax.numpy, unrolled: the default "scan"
   method is an XLA while loop, which the GPU runs one iteration at a time, each with its own
-  launches and carry copies; the H200 trace (RESULTS.md, fifth session, run r) showed ~1 ms of
-  idle gaps per packed 64K fwd+bwd call around those iterations, more than all the table-building
-  kernels took, and none once the loop was gone (run s)."""
+  launches and carry copies (idle gaps of ~1 ms per packed 64K fwd+bwd call; see
+  docs/decisions.md, "Task tables build without loops")."""
   if xp is np:
     return np.searchsorted(a, v, side="right").astype(np.int32)
   return xp.searchsorted(a, v, side="right", method="scan_unrolled").astype(xp.int32)
@@ -275,18 +294,3 @@ def table_visibility(tt: TaskTable, tq: int, tk: int) -> np.ndarray:
       qi, ki = np.nonzero(vis)
       np.add.at(cnt, (d["q_base"] + qi, d["kv_base"] + j * bkv + ki), 1)
   return cnt
-
-
-def segment_visibility(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs, tq, tk,
-                       causal) -> np.ndarray:
-  """Host reference: bool [tq, tk], True where query i may attend key j."""
-  m = np.zeros((tq, tk), bool)
-  for s in range(int(num_segs)):
-    ql, kl = int(q_len[s]), int(kv_len[s])
-    if ql <= 0 or kl <= 0:
-      continue
-    qp = int(q_pos0[s]) + np.arange(ql)[:, None]
-    kp = int(kv_pos0[s]) + np.arange(kl)[None, :]
-    vis = (kp <= qp) if causal else np.ones((ql, kl), bool)
-    m[int(q_start[s]):int(q_start[s]) + ql, int(kv_start[s]):int(kv_start[s]) + kl] |= vis
-  return m

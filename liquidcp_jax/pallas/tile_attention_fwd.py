@@ -1,10 +1,11 @@
 """Task-table-driven tile attention forward (Pallas Mosaic GPU, Hopper sm_90a).
 
-One CTA per (q head, task). Three warpgroups: two compute warpgroups each own ``block_q`` rows of
-the task's ``2*block_q``-row Q tile, one producer warpgroup streams the task's KV tiles by TMA
-into a ring of ``max_concurrent_steps`` SMEM slots. The compute warpgroups ping-pong on a
-schedule barrier so that one's softmax overlaps the other's wgmma. The KV tile of a q head's
-group is fetched per CTA; q heads of one KV head are adjacent in the grid so the re-reads hit L2.
+One CTA per (q head, task). Three warpgroups: two compute warpgroups each own 64 rows of the
+task's 128-row Q tile, one producer warpgroup streams the task's KV tiles by TMA into a ring of
+``max_concurrent_steps`` SMEM slots. The compute warpgroups ping-pong on hardware named
+barriers (FlashAttention-3's schedule) so that one's softmax overlaps the other's wgmma. The KV
+tile of a q head's group is fetched per CTA; q heads of one KV head are adjacent in the grid so
+the re-reads hit L2.
 
 Masking comes from the table (see :class:`tables.TaskTable`): tiles ``[full_lo, full_hi)`` run
 the unmasked body, the others apply the segment-boundary and causal rule. Outputs are stored
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -24,57 +24,31 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from liquidcp_jax.pallas import heuristics
 from liquidcp_jax.pallas import tables as tables_lib
-from liquidcp_jax.pallas.sync import RingRelease, named_barrier
-
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, SMEM_LIMIT, TASK_ROWS, aligned,
+                                        interpret_params, ladder_store, masked_split_loop,
+                                        swizzled)
+from liquidcp_jax.pallas.sync import FWD_SCHED, RingRelease, named_barrier
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
-  """Forward tile sizes. The task tile is ``2 * block_q`` rows (two compute warpgroups).
+  """Forward kernel options. Task tiles are 128 rows (64 per compute warpgroup).
 
-  ``persistent``: one CTA per SM walking the (task, head) items (see
-  :mod:`tile_attention_fwd_persistent`); ``None`` (default) picks it by :meth:`use_persistent`.
-  ``num_ctas`` overrides the persistent grid size (default: SM count).
-  ``named_sched``: the two compute warpgroups' ping-pong uses a hardware named barrier
-  and is asymmetric (see :meth:`StepCtx.sched_after_qk`) instead of an SMEM mbarrier meeting. On
-  by default: on the H200 (RESULTS.md, 2026-12-03 fourth session, run l) the persistent forward ran
-  417.5 vs 373.3 TFLOP/s at dense 8K and 571.5 vs 556.0 at 32K (round-robin), and 458.5 vs 436.1
-  on packed Pile-CC 64K (run m). GPU only (interpret mode keeps the mbarrier, same results).
-  ``named_kv_release``: the compute warpgroups hand consumed K / V ring slots back to the producer
-  with ``bar.arrive`` on hardware named barriers (one instruction per warp) instead of an SMEM
-  mbarrier arrive from every thread (see :class:`RingRelease`). Off by default since 2026-12-04: by
-  device time the mbarrier release was faster on every packed 64K batch (RESULTS.md, run u, median
-  of 3 round-robin rounds, forward span: FreeLaw 6.20 vs 6.36 ms, ArXiv 11.77 vs 12.35, Pile-CC
-  3.14 vs 3.22; run t: 6.17 vs 6.32, 11.98 vs 12.26, 3.14 vs 3.20); on dense causal the two are
-  within ~1.5 % either way (run q, kernel time: 8K 636.4 vs 634.6 TFLOP/s, 32K 671.6 vs 662.1; run
-  v, span: 8K 0.856 vs 0.860 ms, but 32K 13.21 vs 13.06 for the named release), and a round-robin
-  wall-clock run (p) favoured the named release by 1-2 %.
-  GPU only (interpret mode keeps the mbarriers).
-  ``task_order``: the task table's launch order (``tables.build_task_table``'s ``launch_order``):
-  ``"work"`` (default; heaviest task first over the batch) or ``"segment"`` (sequence by sequence,
-  as the backward's default since 2026-12-04). For the forward the two measured within 0.8 % of
-  each other, in both directions, on the packed 64K batches (2026-12-04, runs ai / ak, device
-  span: FreeLaw 6.097 / 6.114 vs 6.110 / 6.131 ms, ArXiv 11.623 vs 11.552, Pile-CC 3.106 / 3.089
-  vs 3.114 / 3.113), so the default stays "work".
+  ``block_kv``: keys per streamed KV tile (64 or 128). ``max_concurrent_steps``: slots of the
+  SMEM KV ring (2-4; :func:`check_smem` rejects rings that do not fit, e.g. 3 at head_dim 128).
+  ``persistent``: one CTA per SM walking every (task, head) item
+  (:mod:`tile_attention_fwd_persistent`) instead of one CTA per item; ``None`` (default) lets
+  :func:`heuristics.persistent_forward` choose from the rows per segment slot. ``num_ctas``: the
+  persistent grid size (default: the device's SM count).
   """
-  block_q: int = 64
   block_kv: int = 128
   max_concurrent_steps: int = 2
   persistent: bool | None = None
   num_ctas: int | None = None
-  named_sched: bool = True
-  named_kv_release: bool = False
-  task_order: str = "work"
 
   def __post_init__(self):
-    if self.task_order not in tables_lib.LAUNCH_ORDERS:
-      raise ValueError(f"task_order must be one of {tables_lib.LAUNCH_ORDERS}, got "
-                       f"{self.task_order!r}")
-    if self.block_q != 64:
-      raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q}")
     if self.block_kv not in (64, 128):
       raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv}")
     if not 2 <= self.max_concurrent_steps <= 4:
@@ -83,76 +57,46 @@ class TuningConfig:
       raise ValueError(f"persistent must be None, True or False, got {self.persistent!r}")
     if self.num_ctas is not None and self.num_ctas < 1:
       raise ValueError(f"num_ctas must be None or >= 1, got {self.num_ctas}")
-    if not isinstance(self.named_sched, bool):
-      raise ValueError(f"named_sched must be a bool, got {self.named_sched!r}")
-    if not isinstance(self.named_kv_release, bool):
-      raise ValueError(f"named_kv_release must be a bool, got {self.named_kv_release!r}")
 
-  # Mean segment-capacity length at and above which the plain grid runs (H200, RESULTS.md). With
-  # the (tasks, heads) launch order and the named-barrier ping-pong (fourth session, runs l, m)
-  # persistent won clearly at dense 8K (417.5 vs 366.6 TFLOP/s round-robin) and on packed 64K
-  # batches (capacity 128, i.e. 512 tokens per slot: Pile-CC 458.5 vs 414.4, FreeLaw 511.3 vs
-  # 497.0, ArXiv 509.3 vs 508.3) and tied at dense 32K (571.5 vs 569.3; 577.3 vs 577.6). Before
-  # those changes dense 32K ran 598 plain vs 559 persistent (first session), hence the threshold.
-  persistent_below_tokens_per_segment: int = 16384
-
-  def use_persistent(self, num_q_rows: int, segment_capacity: int) -> bool:
-    """Whether the forward runs persistent for ``num_q_rows`` packed rows in ``segment_capacity``
-    segment slots: short average segments pay per-task overheads that persistence hides."""
+  def use_persistent(self, num_q_rows: int, segment_slots: int) -> bool:
+    """Whether the forward runs persistent for ``num_q_rows`` packed rows in ``segment_slots``
+    segment slots (``persistent``, or the heuristic when it is ``None``)."""
     if self.persistent is not None:
       return self.persistent
-    return num_q_rows < self.persistent_below_tokens_per_segment * max(1, segment_capacity)
-
-  @property
-  def task_rows(self) -> int:
-    return 2 * self.block_q
-
-
-_SMEM_LIMIT = 227 * 1024  # per-block dynamic SMEM on sm_90
-
-
-def _aligned(nbytes):
-  return -(-nbytes // 1024) * 1024  # Mosaic GPU aligns every scratch buffer to 1 KiB
+    return heuristics.persistent_forward(num_q_rows, segment_slots)
 
 
 def smem_bytes(config: TuningConfig, head_dim: int, itemsize: int = 2) -> int:
   """Estimate of either forward kernel's SMEM on the GPU, barriers included: Q and the output
-  staging (64 rows per compute warpgroup), the K and V rings, the LSE staging. Not exact:
-  Mosaic counted 265,344 bytes where this gives 264,192 (``max_concurrent_steps=3``, head_dim 128,
-  H200 run ak); the accepted configs stay more than 30 KiB under the limit."""
-  rows = lambda n: _aligned(n * head_dim * itemsize)
-  bq, mcs = config.block_q, config.max_concurrent_steps
-  return (2 * rows(2 * bq) + 2 * rows(mcs * config.block_kv) + _aligned(2 * bq * 4) + 1024)
+  staging (64 rows per compute warpgroup), the K and V rings, the LSE staging. Not exact
+  (Mosaic counted 1,152 bytes more at ``max_concurrent_steps=3``, head_dim 128); the accepted
+  configs stay more than 30 KiB under the limit."""
+  rows = lambda n: aligned(n * head_dim * itemsize)
+  mcs = config.max_concurrent_steps
+  return (2 * rows(TASK_ROWS) + 2 * rows(mcs * config.block_kv) + aligned(TASK_ROWS * 4) + 1024)
 
 
 def check_smem(config: TuningConfig, head_dim: int, itemsize: int = 2):
   """ValueError naming the config fields when the forward would not fit in SMEM (Mosaic's own
   error comes only at compile time and names no argument)."""
   need = smem_bytes(config, head_dim, itemsize)
-  if need > _SMEM_LIMIT:
+  if need > SMEM_LIMIT:
     raise ValueError(
         f"config: max_concurrent_steps={config.max_concurrent_steps} with block_kv="
         f"{config.block_kv} needs ~{need} bytes of shared memory (SMEM) at head_dim={head_dim}, "
-        f"over the {_SMEM_LIMIT}-byte limit: use max_concurrent_steps=2 (or block_kv=64)")
-
-
-def kv_releases(k_used, v_used, mcs: int, named: bool) -> tuple[RingRelease, RingRelease]:
-  """The forward's K and V ring releases (named barriers from RING_RELEASE_BARRIER_ID)."""
-  if not named:
-    return RingRelease(k_used), RingRelease(v_used)
-  return (RingRelease(k_used, RING_RELEASE_BARRIER_ID),
-          RingRelease(v_used, RING_RELEASE_BARRIER_ID + mcs))
+        f"over the {SMEM_LIMIT}-byte limit: use max_concurrent_steps=2 (or block_kv=64)")
 
 
 class StepCtx(NamedTuple):
   """What every online-softmax step of one warpgroup's KV loop needs (both forward kernels).
 
-  Refs: ``q_smem`` [block_q, D] (this warpgroup's Q rows), ``k_smem`` / ``v_smem`` [slots,
-  block_kv, D] (the KV ring), ``p_smem`` [block_q, block_kv] (interpret-mode staging of P, else
-  None), ring barriers ``k_bar`` / ``v_bar`` (loaded), ``k_release`` / ``v_release`` (consumed,
-  :class:`RingRelease`), the ping-pong mbarrier ``sched`` (unused with named barriers). ``wg``:
-  this compute warpgroup (0/1). Task scalars: ``r0`` (first row of this warpgroup in the task
-  tile), ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``.
+  Refs: ``q_smem`` [bq, D] (this warpgroup's Q rows), ``k_smem`` / ``v_smem`` [slots, bkv, D]
+  (the KV ring), ``p_smem`` [bq, bkv] (interpret-mode staging of P, else None), ring barriers
+  ``k_bar`` / ``v_bar`` (loaded), ``k_release`` / ``v_release`` (consumed, :class:`RingRelease`),
+  the ping-pong mbarrier ``sched`` (interpret mode only). ``named_sched``: the ping-pong runs on
+  hardware named barriers on the GPU (the forward kernels always pass True). ``wg``: this compute
+  warpgroup (0/1). Task scalars: ``r0`` (first row of this warpgroup in the task tile),
+  ``kv_lo`` / ``kv_hi`` / ``diag`` (mask, see :class:`tables.TaskTable`), ``n_tiles``.
   ``slot_of(i)`` maps the task's tile ``i`` to its ring slot (the persistent kernel's ring runs
   across tasks).
   """
@@ -183,15 +127,15 @@ class StepCtx(NamedTuple):
 
   @property
   def uses_named_barrier(self) -> bool:
-    """``named_sched`` on the GPU (the interpreter keeps the mbarrier)."""
+    """``named_sched`` on the GPU (the interpreter has no named barriers: it uses the mbarrier)."""
     return self.named_sched and not self.interpret
 
   # The ping-pong. With hardware named barriers it is asymmetric, FA3-style: warpgroup w waits
-  # only on its own barrier SCHED_BARRIER_ID + w, and signals the other's without waiting, so
-  # after issuing Q K^T it starts its softmax at once while the other one issues its GEMMs. The
-  # mbarrier fallback (interpreter, ``named_sched=False``) is a symmetric meeting at the same four
-  # points; both orders alternate the two warpgroups' GEMMs because warpgroup 1 starts one
-  # hand-over late (``sched_start``) and warpgroup 0 ends one late (``sched_end``).
+  # only on its own barrier FWD_SCHED + w, and signals the other's without waiting, so after
+  # issuing Q K^T it starts its softmax at once while the other one issues its GEMMs. The mbarrier
+  # version (the interpreter) is a symmetric meeting at the same four points; both orders
+  # alternate the two warpgroups' GEMMs because warpgroup 1 starts one hand-over late
+  # (``sched_start``) and warpgroup 0 ends one late (``sched_end``).
 
   def _meet(self):
     plgpu.barrier_arrive(self.sched)
@@ -200,21 +144,21 @@ class StepCtx(NamedTuple):
   def sched_start(self):
     """Before the KV loop: warpgroup 1 waits for warpgroup 0's first Q K^T."""
     if self.uses_named_barrier:
-      pl.when(self.wg == 1)(lambda: named_barrier("sync", SCHED_BARRIER_ID + 1, 2 * 128))
+      pl.when(self.wg == 1)(lambda: named_barrier("sync", FWD_SCHED + 1, 2 * 128))
     else:
       pl.when(self.wg == 1)(self._meet)
 
   def sched_after_qk(self):
     """Q K^T issued: let the other warpgroup issue its GEMMs."""
     if self.uses_named_barrier:
-      named_barrier("arrive", SCHED_BARRIER_ID + 1 - self.wg, 2 * 128)
+      named_barrier("arrive", FWD_SCHED + 1 - self.wg, 2 * 128)
     else:
       self._meet()
 
   def sched_before_pv(self):
     """Before P V: wait until the other warpgroup has issued its Q K^T."""
     if self.uses_named_barrier:
-      named_barrier("sync", SCHED_BARRIER_ID + self.wg, 2 * 128)
+      named_barrier("sync", FWD_SCHED + self.wg, 2 * 128)
     else:
       self._meet()
 
@@ -225,16 +169,9 @@ class StepCtx(NamedTuple):
     phase. False (one loop per CTA) lets warpgroup 0 go on to its epilogue at once."""
     if self.uses_named_barrier:
       op = "sync" if wait else "arrive"
-      pl.when(self.wg == 0)(lambda: named_barrier(op, SCHED_BARRIER_ID + 1, 2 * 128))
+      pl.when(self.wg == 0)(lambda: named_barrier(op, FWD_SCHED + 1, 2 * 128))
     else:
       pl.when(self.wg == 0)(self._meet)
-
-
-# Named barrier ids (Mosaic GPU keeps 0-3, see pallas.sync): the ping-pong uses SCHED_BARRIER_ID
-# (warpgroup 0 waits there) and SCHED_BARRIER_ID + 1; the K and V ring releases take
-# 2 * max_concurrent_steps ids from RING_RELEASE_BARRIER_ID (up to id 13 of the 16).
-SCHED_BARRIER_ID = 4
-RING_RELEASE_BARRIER_ID = 6
 
 
 def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
@@ -306,50 +243,27 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   return acc, m_new, l_i
 
 
-def masked_split_loop(step, lo, full_lo, full_hi, hi, carry):
-  """Runs ``step(j, carry, masked=...)`` over tiles ``lo .. hi - 1``: the table's unmasked range
-  ``[full_lo, full_hi)`` without the mask, the tiles before and after it with the mask."""
-  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-
-
-def _ladder_store(smem, gref_rows, start, size, max_rows):
-  """Stores smem rows [start, start+size) to gref_rows(row0, n) using power-of-two TMA boxes."""
-  n = 1 << int(math.log2(max_rows))
-  off = start
-  while n >= 1:
-    nn = n
-
-    @pl.when((size & nn) != 0)
-    def _():
-      plgpu.copy_smem_to_gmem(smem.at[pl.ds(off, nn)], gref_rows(off, nn))
-
-    off = off + (size & nn)
-    n //= 2
-
-
 def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: float,
                        config: TuningConfig, interpret: bool = False):
   """Runs the forward kernel.
 
-  q: [Tq, Hq, D], k/v: [Tk, Hkv, D] (Tq >= 2*block_q, Tk % block_kv == 0), table: int32
-  [n_tasks, NUM_FIELDS] built with block_q = config.task_rows. Returns out [Tq, Hq, D] (q.dtype;
-  rows of capacity tasks only) and lse_pad [Hq, n_tasks * task_rows] float32 (natural log).
+  q: [Tq, Hq, D], k/v: [Tk, Hkv, D] (Tq >= 128, Tk % block_kv == 0), table: int32
+  [n_tasks, NUM_FIELDS] built with block_q = TASK_ROWS (128). Returns out [Tq, Hq, D] (q.dtype;
+  rows of capacity tasks only) and lse_pad [Hq, n_tasks * 128] float32 (natural log).
   """
   tq, hq, d = q.shape
   tk, hkv, _ = k.shape
   dtype = q.dtype
-  bq, bkv, mcs = config.block_q, config.block_kv, config.max_concurrent_steps
-  tr = config.task_rows
+  bq, bkv, mcs = ROWS, config.block_kv, config.max_concurrent_steps
+  tr = TASK_ROWS
   group = hq // hkv
-  scale2 = float(sm_scale) * _LOG2E
+  scale2 = float(sm_scale) * LOG2E
   fld = tables_lib.F
 
   def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
     (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
     k_bar, v_bar, q_bar = bars
-    k_release, v_release = kv_releases(*consumed, mcs, config.named_kv_release and not interpret)
+    k_release, v_release = (RingRelease(used) for used in consumed)
     head = lax.axis_index("heads")
     task = lax.axis_index("tasks")
     wg = lax.axis_index("wg")
@@ -385,7 +299,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar, v_bar,
                    k_release, v_release, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                    lambda i: lax.rem(i, jnp.int32(mcs)), bq, bkv, d, dtype, causal, scale2,
-                   interpret, config.named_sched, wg)
+                   interpret, True, wg)
       cx.sched_start()
       step = functools.partial(softmax_step, cx)
 
@@ -397,11 +311,11 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
       o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
       lse_smem = lse_smem2.at[wg]
-      lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * _LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+      lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
       plgpu.commit_smem()
       lo = jnp.clip(q_lo - r0, 0, bq)
       hi = jnp.clip(q_hi - r0, 0, bq)
-      _ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
+      ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
                     lo, hi - lo, bq)
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(task * tr + r0, bq)])
       plgpu.wait_smem_to_gmem(0)
@@ -433,7 +347,7 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
         v_release.wait(lax.rem(j, jnp.int32(mcs)))
 
   def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
-    tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tf = swizzled()
     scratch = [
         plgpu.SMEM((2, bq, d), dtype, transforms=tf),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
@@ -454,36 +368,11 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
 
   out_type = (jax.ShapeDtypeStruct((tq, hq, d), dtype),
               jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
-  kw = {}
-  if interpret:
-    kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="nan")
   return plgpu.kernel(
       # Mosaic GPU launches the last grid axis fastest (CUDA x): heads, so that CTAs start in the
       # table's heaviest-first task order (a tasks-fastest launch ran every head's light tasks
       # before the next head's heavy ones and left a long tail at 8K).
       entry, out_type=out_type, grid=(n_tasks, hq), grid_names=("tasks", "heads"),
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), **kw,
+      compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret),
   )(table, q, k, v)
-
-
-def reference_attention(q, k, v, q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs, *,
-                        causal, sm_scale):
-  """Float64 NumPy reference for segment attention. Returns (out [Tq,Hq,D], lse [Tq,Hq])."""
-  import numpy as np
-  q = np.asarray(q, np.float64); k = np.asarray(k, np.float64); v = np.asarray(v, np.float64)
-  tq, hq, d = q.shape
-  tk, hkv, _ = k.shape
-  vis = tables_lib.segment_visibility(q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0,
-                                      num_segs, tq, tk, causal)
-  kh = np.repeat(k, hq // hkv, axis=1)
-  vh = np.repeat(v, hq // hkv, axis=1)
-  s = np.einsum("qhd,khd->hqk", q, kh, optimize=True) * sm_scale
-  s = np.where(vis[None], s, -np.inf)
-  m = s.max(-1, keepdims=True)
-  ms = np.where(np.isfinite(m), m, 0.0)
-  p = np.exp(s - ms)
-  l = p.sum(-1, keepdims=True)
-  out = np.einsum("hqk,khd->qhd", p / np.where(l > 0, l, 1.0), vh, optimize=True)
-  lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + ms[..., 0], -np.inf)
-  return out, lse.T

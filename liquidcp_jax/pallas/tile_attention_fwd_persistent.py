@@ -1,7 +1,7 @@
 """Persistent variant of the task-table tile attention forward (Pallas Mosaic GPU, Hopper sm_90a).
 
 Same warp specialization, masking and outputs as :mod:`tile_attention_fwd` (two compute warpgroups
-of ``block_q`` rows ping-ponging on a schedule barrier, one TMA producer warpgroup), but the grid is
+of 64 rows ping-ponging on named barriers, one TMA producer warpgroup), but the grid is
 one CTA per SM and every CTA walks a static list of ``(task, head)`` work items (paper §6: a fused
 persistent engine; on Hopper persistence is static, ``dynamic_scheduling_loop`` is Blackwell-only).
 
@@ -20,7 +20,6 @@ decreasing work list within about one item of each other.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -28,9 +27,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tables as tables_lib
-from liquidcp_jax.pallas.tile_attention_fwd import (_LN2, _LOG2E, StepCtx, TuningConfig,
-                                                   _ladder_store, kv_releases,
-                                                   masked_split_loop, softmax_step)
+from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, TASK_ROWS, interpret_params,
+                                        ladder_store, masked_split_loop, swizzled)
+from liquidcp_jax.pallas.sync import RingRelease
+from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, TuningConfig, softmax_step
 
 
 def num_sms(default: int = 132) -> int:
@@ -58,10 +58,10 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
   tq, hq, d = q.shape
   tk, hkv, _ = k.shape
   dtype = q.dtype
-  bq, bkv, mcs = config.block_q, config.block_kv, config.max_concurrent_steps
-  tr = config.task_rows
+  bq, bkv, mcs = ROWS, config.block_kv, config.max_concurrent_steps
+  tr = TASK_ROWS
   group = hq // hkv
-  scale2 = float(sm_scale) * _LOG2E
+  scale2 = float(sm_scale) * LOG2E
   fld = tables_lib.F
   n_items = n_tasks * hq
   g_ctas = max(1, min(config.num_ctas or num_sms(), n_items))
@@ -71,8 +71,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
     (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
     k_bar, v_bar, q_bar = bars
     k_used, v_used, q_free = consumed
-    k_release, v_release = kv_releases(k_used, v_used, mcs,
-                                       config.named_kv_release and not interpret)
+    k_release, v_release = RingRelease(k_used), RingRelease(v_used)
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
 
@@ -119,7 +118,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           cx = StepCtx(q_smem, k_smem, v_smem, p_smem2.at[wg] if interpret else None, k_bar,
                        v_bar, k_release, v_release, sched, r0, kv_lo, kv_hi, diag, n_tiles,
                        lambda i: lax.rem(c0 + i, jnp.int32(mcs)), bq, bkv, d, dtype, causal,
-                       scale2, interpret, config.named_sched, wg)
+                       scale2, interpret, True, wg)
           cx.sched_start()
 
           def step(j, carry, masked):
@@ -140,11 +139,11 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
           lse_smem[...] = jnp.where(empty, -jnp.inf,
-                                    m_i * _LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+                                    m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
           plgpu.commit_smem()
           lo = jnp.clip(q_lo - r0, 0, bq)
           hi = jnp.clip(q_hi - r0, 0, bq)
-          _ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
+          ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
                         lo, hi - lo, bq)
           plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(task * tr + r0, bq)])
 
@@ -176,8 +175,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           # a plain arrive on q_bar instead of the load saves its latency per item. The compute
           # warpgroups still wait on q_bar, so they cannot run ahead of this warpgroup's q_free
           # waits: were they two or more q_free phases ahead, the parity of a wait would alias
-          # (a hang). Measured in RESULTS.md, 2026-12-04, run z (one-step MegaRing forward,
-          # Pile-CC 64K: 4.18 -> 3.74 ms).
+          # (a hang). See docs/decisions.md ("Gap tasks load nothing").
           @pl.when(n_tiles > 0)
           def _():
             for w in range(2):
@@ -217,7 +215,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       plgpu.barrier_wait(q_free)
 
   def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
-    tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tf = swizzled()
     scratch = [
         plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # Q rows of each compute warpgroup
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
@@ -240,11 +238,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
 
   out_type = (jax.ShapeDtypeStruct((tq, hq, d), dtype),
               jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
-  kw = {}
-  if interpret:
-    kw["interpret"] = plgpu.InterpretGPUParams(uninitialized_memory="nan")
   return plgpu.kernel(
       entry, out_type=out_type, grid=(g_ctas,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), **kw,
+      compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret),
   )(table, q, k, v)

@@ -1,12 +1,16 @@
-"""Dense float64 references (NumPy) for packed variable-length batches and decode.
+"""Float64 references (NumPy): packed variable-length batches, segment tables, decode.
 
 These are the anchors every fast path is checked against; they are simple on
-purpose: one sequence at a time, explicit masks, float64 throughout.
+purpose: explicit masks, float64 throughout, one masked dense attention
+(:func:`_attend` / :func:`_attend_vjp`) under all of them.
 
 Packed batch: ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]`` with ``lengths``
 summing to ``T``; sequence ``i`` occupies rows ``offsets[i] : offsets[i] +
-lengths[i]`` and attends only within itself (causally if ``causal``). GQA:
-query head ``h`` uses KV head ``h // (Hq // Hkv)``. LSE is natural-log.
+lengths[i]`` and attends only within itself (causally if ``causal``).
+Segment table: the kernels' most general input (``pallas.tables.Segments``:
+per segment a query range, a key range and their token positions). GQA:
+query head ``h`` uses KV head ``h // (Hq // Hkv)``. LSE is natural-log; a row
+that sees no key gets ``out = 0``, ``lse = -inf``.
 """
 from __future__ import annotations
 
@@ -20,14 +24,18 @@ def _einsum(*args):
     return np.einsum(*args, optimize=True)
 
 
+def _scores(q, k, mask, scale):
+    """Masked scores [Hq, M, N] (-inf where ``mask`` is False) and K's rows per q head."""
+    rep = q.shape[1] // k.shape[1]
+    kk = np.repeat(k, rep, axis=1)
+    s = _einsum("mhd,nhd->hmn", q, kk) * scale
+    return np.where(mask[None], s, -np.inf), kk
+
+
 def _attend(q, k, v, mask, scale):
     """q: [M, Hq, D], k/v: [N, Hkv, D], mask: [M, N] bool -> out [M, Hq, D], lse [M, Hq]."""
-    hq, hkv = q.shape[1], k.shape[1]
-    rep = hq // hkv
-    kk = np.repeat(k, rep, axis=1)
-    vv = np.repeat(v, rep, axis=1)
-    s = _einsum("mhd,nhd->hmn", q, kk) * scale
-    s = np.where(mask[None], s, -np.inf)
+    s, _ = _scores(q, k, mask, scale)
+    vv = np.repeat(v, q.shape[1] // k.shape[1], axis=1)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
@@ -36,6 +44,25 @@ def _attend(q, k, v, mask, scale):
     out = _einsum("hmn,nhd->mhd", p / safe, vv)
     lse = np.where(l[..., 0] > 0, (m + np.log(safe))[..., 0], -np.inf).T
     return out, lse
+
+
+def _attend_vjp(q, k, v, do, mask, scale):
+    """Gradients of ``sum(out * do)`` for :func:`_attend`: (dq [M, Hq, D], dk, dv [N, Hkv, D])."""
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
+    s, kk = _scores(q, k, mask, scale)
+    vv = np.repeat(v, rep, axis=1)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)
+    dvv = _einsum("hmn,mhd->nhd", p, do)
+    dp = _einsum("mhd,nhd->hmn", do, vv)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = _einsum("hmn,nhd->mhd", ds, kk) * scale
+    dkk = _einsum("hmn,mhd->nhd", ds, q) * scale
+    n, d = k.shape[0], k.shape[2]
+    return dq, dkk.reshape(n, hkv, rep, d).sum(2), dvv.reshape(n, hkv, rep, d).sum(2)
 
 
 def _offsets(lengths):
@@ -78,23 +105,12 @@ def attention_reference_vjp(q, k, v, do, lengths, *, causal: bool = True, scale:
     lengths = check_packed_lengths(lengths, T)
     scale = d ** -0.5 if scale is None else float(scale)
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    rep = hq // hkv
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     off = _offsets(lengths)
     for i, L in enumerate(lengths):
         sl = slice(off[i], off[i] + L)
         mask = np.tril(np.ones((L, L), bool)) if causal else np.ones((L, L), bool)
-        kk, vv = np.repeat(k[sl], rep, 1), np.repeat(v[sl], rep, 1)
-        s = np.where(mask[None], _einsum("mhd,nhd->hmn", q[sl], kk) * scale, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        dvv = _einsum("hmn,mhd->nhd", p, do[sl])
-        dp = _einsum("mhd,nhd->hmn", do[sl], vv)
-        ds = p * (dp - (p * dp).sum(-1, keepdims=True))
-        dq[sl] = _einsum("hmn,nhd->mhd", ds, kk) * scale
-        dkk = _einsum("hmn,mhd->nhd", ds, q[sl]) * scale
-        dk[sl] = dkk.reshape(L, hkv, rep, d).sum(2)
-        dv[sl] = dvv.reshape(L, hkv, rep, d).sum(2)
+        dq[sl], dk[sl], dv[sl] = _attend_vjp(q[sl], k[sl], v[sl], do[sl], mask, scale)
     return dq, dk, dv
 
 
@@ -144,6 +160,54 @@ def attention_reference_rows(q, k, v, do, lengths, rows, *, causal: bool = True,
             out[sel], lse[sel] = o_, l_
             dq[sel] = _einsum("hmn,nhd->mhd", ds, kk) * scale
     return out, lse, dq
+
+
+def segment_visibility(segments, tq: int, tk: int, causal: bool) -> np.ndarray:
+    """Bool ``[tq, tk]``: True where query row ``i`` may attend key row ``j``.
+
+    ``segments``: a ``pallas.tables.Segments`` (or the same seven fields in order: ``q_start``,
+    ``q_len``, ``kv_start``, ``kv_len``, ``q_pos0``, ``kv_pos0`` ``[S_cap]``, ``num_segs``).
+    Segment ``s``'s queries at positions ``q_pos0 + i`` see its keys at positions ``kv_pos0 + j``
+    (causal: iff the key's position is <= the query's); entries ``>= num_segs`` are ignored.
+    """
+    q_start, q_len, kv_start, kv_len, q_pos0, kv_pos0, num_segs = segments
+    m = np.zeros((tq, tk), bool)
+    for s in range(int(num_segs)):
+        ql, kl = int(q_len[s]), int(kv_len[s])
+        if ql <= 0 or kl <= 0:
+            continue
+        qp = int(q_pos0[s]) + np.arange(ql)[:, None]
+        kp = int(kv_pos0[s]) + np.arange(kl)[None, :]
+        vis = (kp <= qp) if causal else np.ones((ql, kl), bool)
+        m[int(q_start[s]):int(q_start[s]) + ql, int(kv_start[s]):int(kv_start[s]) + kl] |= vis
+    return m
+
+
+def segment_attention_reference(q, k, v, segments, *, causal: bool, scale: float):
+    """Attention over a segment table (:func:`segment_visibility`), in float64: the reference of
+    ``pallas.api.segment_attention`` and its XLA twin.
+
+    Args:
+      q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]``; segments: as :func:`segment_visibility`.
+    Returns:
+      ``(out [Tq, Hq, D], lse [Tq, Hq])`` float64; rows that see no key: ``out = 0``,
+      ``lse = -inf``.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    mask = segment_visibility(segments, q.shape[0], k.shape[0], causal)
+    return _attend(q, k, v, mask, float(scale))
+
+
+def segment_attention_reference_vjp(q, k, v, do, segments, *, causal: bool, scale: float):
+    """Float64 gradients of ``sum(out * do)`` for :func:`segment_attention_reference`.
+
+    Returns:
+      ``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D])`` float64.
+    """
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    mask = segment_visibility(segments, q.shape[0], k.shape[0], causal)
+    return _attend_vjp(q, k, v, do, mask, float(scale))
+
 
 def decode_reference(q, k_new, v_new, k_hist, v_hist, history_lengths, query_lengths,
                      *, scale: float | None = None):
