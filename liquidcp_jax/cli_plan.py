@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from liquidcp_jax.placement import metrics
-from liquidcp_jax.placement.baselines import megatron_hybrid_cp, zeppelin
+from liquidcp_jax.placement.megatron import megatron_hybrid_cp
+from liquidcp_jax.placement.zeppelin import zeppelin
 from liquidcp_jax.placement.buddyring.search import buddyring
 from liquidcp_jax.placement.types import all_cp
 from liquidcp_jax.workloads import parse_tokens, sample_batch

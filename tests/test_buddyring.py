@@ -1,12 +1,15 @@
 """BuddyRing placement (paper §4.2, A.1): Figure 7, legality, determinism, fallbacks."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from liquidcp_jax.placement import metrics
-from liquidcp_jax.placement.buddyring.search import _Problem, buddyring, buddyring_search
+from liquidcp_jax.placement.buddyring import BuddyRingConfig, buddyring, buddyring_search
+from liquidcp_jax.placement.buddyring.problem import Problem
 from liquidcp_jax.placement.buddyring.capsearch import size_floor
-from liquidcp_jax.placement.baselines import megatron_hybrid_cp
+from liquidcp_jax.placement.megatron import megatron_hybrid_cp
 from liquidcp_jax.placement.types import Group, Placement
 from liquidcp_jax.workloads import sample_batch
 
@@ -159,13 +162,11 @@ def test_feasible_placements_respect_size_floor(lengths, log_n, rank_shards, bal
     assert r.d_t == pytest.approx(d_t, abs=1e-9) and r.d_w == pytest.approx(d_w, abs=1e-9)
     if r.feasible:
         # Feasible by the metrics alone, and no sequence below the valid per-sequence floor
-        # (``buddyring_capsearch.size_floor``). Paper A.1's floor (``shard_lower_bound``) is not
+        # (``capsearch.size_floor``). Paper A.1's floor (``shard_lower_bound``) is not
         # a bound: hypothesis found [64, 64, 201, 1537, 1537] on 4 devices meeting both
         # tolerances with 8 shards against its 11, the padding raising the means it assumes.
         assert metrics.violation(d_t, d_w) == 0
-        pb = _Problem(lengths, n, token_tol=0.10, attn_tol=0.05, causal=True,
-                      structural_threshold=0.5, max_group_size=8, align=metrics.ALIGN,
-                      cutoffs=metrics.LENGTH_CUTOFFS)
+        pb = Problem(lengths, n, BuddyRingConfig())
         sizes = np.array([g.size for g in r.placement.groups])
         assert (sizes >= size_floor(pb)).all()
 
@@ -212,3 +213,39 @@ def test_figure7_with_paper_literal_order():
     d_t, d_w = metrics.imbalance(p)
     assert (round(100 * d_t, 2), round(100 * d_w, 2), p.num_shards) == (9.38, 0.89, 9)
     assert p.groups[3].size == 1
+
+
+# --- BuddyRingConfig: one object for every parameter, keyword calls built from it ---
+
+
+def test_config_and_keywords_agree():
+    cfg = BuddyRingConfig(token_tol=0.05, beam_width=16, balance_sum=False)
+    assert buddyring(FIG7, 4, cfg) == buddyring(FIG7, 4, token_tol=0.05, beam_width=16,
+                                                balance_sum=False)
+    # keywords override a given config field by field
+    assert buddyring(FIG7, 4, cfg, token_tol=0.10) == buddyring(
+        FIG7, 4, BuddyRingConfig(beam_width=16, balance_sum=False))
+    assert BuddyRingConfig.build(cfg) is cfg
+    assert BuddyRingConfig.build(None, beam_width=16) == BuddyRingConfig(beam_width=16)
+
+
+def test_config_is_frozen_and_normalised():
+    cfg = BuddyRingConfig(beam_width=np.int64(8), length_cutoffs=[1024, 4096], max_shards=12.0)
+    assert (type(cfg.beam_width), cfg.length_cutoffs, cfg.max_shards) == (int, (1024, 4096), 12)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.beam_width = 4
+    assert hash(cfg) == hash(BuddyRingConfig(beam_width=8, length_cutoffs=(1024, 4096),
+                                             max_shards=12))
+
+
+def test_config_errors_name_the_argument():
+    for kw, name in [(dict(attn_tol=float("nan")), "attn_tol"), (dict(merge_bin=0), "merge_bin"),
+                     (dict(repair_iters=-1), "repair_iters"), (dict(align=0), "align"),
+                     (dict(length_cutoffs=(4096, 2048)), "length_cutoffs"),
+                     (dict(max_shards="zeppelin"), "max_shards")]:
+        with pytest.raises(ValueError, match=name):
+            BuddyRingConfig(**kw)
+    with pytest.raises(ValueError, match="config must be a BuddyRingConfig"):
+        buddyring(FIG7, 4, {"token_tol": 0.1})
+    with pytest.raises(TypeError, match="beam_widht"):
+        buddyring(FIG7, 4, beam_widht=8)

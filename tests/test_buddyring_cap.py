@@ -8,8 +8,10 @@ from hypothesis import given, settings, strategies as st
 
 from liquidcp_jax.placement.buddyring import capsearch as cs
 from liquidcp_jax.placement import metrics
-from liquidcp_jax.placement.baselines import megatron_hybrid_cp
-from liquidcp_jax.placement.buddyring.search import _Problem, _key_of, buddyring, buddyring_search
+from liquidcp_jax.placement.megatron import megatron_hybrid_cp
+from liquidcp_jax.placement.buddyring import BuddyRingConfig, buddyring, buddyring_search
+from liquidcp_jax.placement.buddyring.packing import FixedSizes
+from liquidcp_jax.placement.buddyring.problem import Problem
 from liquidcp_jax.placement.types import Group, Placement
 from liquidcp_jax.workloads import sample_batch
 
@@ -17,9 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
 def _problem(lengths, n, **kw):
-    return _Problem(lengths, n, token_tol=kw.get("token_tol", 0.10),
-                    attn_tol=kw.get("attn_tol", 0.05), causal=True, structural_threshold=0.5,
-                    max_group_size=8, align=metrics.ALIGN, cutoffs=metrics.LENGTH_CUTOFFS)
+    return Problem(lengths, n, BuddyRingConfig(**kw))
 
 
 def _check(lengths, n, p, cap):
@@ -103,11 +103,11 @@ def test_proven_impossible_returns_none():
 def test_pack_kicks_deterministic_and_legal():
     lengths = sample_batch("arxiv", "256K", 64)  # at the A.1 floor, descent alone stalls
     pb = _problem(lengths, 8)
-    fx = cs._Fixed(pb, pb.gmin.copy())
+    fx = FixedSizes(pb, pb.gmin.copy())
     runs = []
     for _ in range(2):
-        res = cs.pack(fx, None, iters=16, kicks=24, kick_size=3, budget=cs._Budget(200),
-                      rng=np.random.default_rng(cs._SEED))
+        res = cs.pack(fx, None, iters=16, kicks=24, kick_size=3, budget=cs.Budget(200),
+                      rng=np.random.default_rng(cs.SEED))
         runs.append(res)
     assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][2], runs[1][2])
     f1, _, start = runs[0]
@@ -133,7 +133,7 @@ def test_branch_and_bound_agrees_with_the_integer_program(lengths, log_n, slack)
     if exact == "unknown":  # solver time limit, or its placement fails the float metrics
         return
     if status:
-        assert int(pb.gsize[a].sum()) <= cap and _key_of(pb, a)[0] == 0
+        assert int(pb.gsize[a].sum()) <= cap and pb.key_of(a)[0] == 0
         p = Placement(tuple(lengths), n, tuple(Group(int(pb.gstart[g]), int(pb.gsize[g]))
                                                for g in a))
         _check(lengths, n, p, cap)

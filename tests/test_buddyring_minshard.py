@@ -8,8 +8,10 @@ from hypothesis import given, settings, strategies as st
 
 from liquidcp_jax.placement.buddyring import minshard as ms
 from liquidcp_jax.placement import metrics
-from liquidcp_jax.placement.baselines import megatron_hybrid_cp
-from liquidcp_jax.placement.buddyring.search import _Problem, _key_of, buddyring, buddyring_search
+from liquidcp_jax.placement.megatron import megatron_hybrid_cp
+from liquidcp_jax.placement.buddyring import BuddyRingConfig, buddyring, buddyring_search
+from liquidcp_jax.placement.buddyring import packing
+from liquidcp_jax.placement.buddyring.problem import Problem
 from liquidcp_jax.workloads import sample_batch
 
 K = 1024
@@ -17,9 +19,7 @@ FIG7 = [24 * K, 24 * K, 14 * K, 2 * K]
 
 
 def _problem(lengths, n):
-    return _Problem(lengths, n, token_tol=0.10, attn_tol=0.05, causal=True,
-                    structural_threshold=0.5, max_group_size=8, align=metrics.ALIGN,
-                    cutoffs=metrics.LENGTH_CUTOFFS)
+    return Problem(lengths, n, BuddyRingConfig())
 
 
 def _paper_key(p):
@@ -42,8 +42,8 @@ def test_fixed_loads_match_metrics():
     lengths = sample_batch("freelaw", "64K", 3)
     pb = _problem(lengths, 8)
     size = pb.gmin.copy()
-    fx = ms._Fixed(pb, size)
-    start = ms.construct(fx, pb.order_l)
+    fx = packing.FixedSizes(pb, size)
+    start = packing.construct(fx, pb.order_l)
     x, y = fx.loads(start)
     a = np.asarray([pb.gid[(int(s), int(g))] for s, g in zip(start, size)])
     from liquidcp_jax.placement.types import Group, Placement
@@ -53,20 +53,20 @@ def test_fixed_loads_match_metrics():
     np.testing.assert_allclose(y, (work / work.mean() - 1) / 0.05, atol=1e-9)
     # f1 <= 1 exactly when both tolerances hold
     d_t, d_w = metrics.imbalance(p)
-    assert (ms._score(x, y)[0] <= 1 + 1e-9) == (metrics.violation(d_t, d_w) == 0)
+    assert (packing.score(x, y)[0] <= 1 + 1e-9) == (metrics.violation(d_t, d_w) == 0)
 
 
 @pytest.mark.parametrize("dataset", ["freelaw", "arxiv", "pilecc"])
 def test_local_search_never_worsens_and_keeps_sizes(dataset):
     lengths = sample_batch(dataset, "128K", 1)
     pb = _problem(lengths, 8)
-    fx = ms._Fixed(pb, np.maximum(pb.gmin, 2))
-    start = ms.construct(fx, pb.order_l)
-    f0 = tuple(float(v) for v in ms._score(*fx.loads(start)))
-    new, f1, f2 = ms.local_search(fx, start, 20)
+    fx = packing.FixedSizes(pb, np.maximum(pb.gmin, 2))
+    start = packing.construct(fx, pb.order_l)
+    f0 = tuple(float(v) for v in packing.score(*fx.loads(start)))
+    new, f1, f2 = packing.local_search(fx, start, 20)
     assert (round(f1, 9), f2) <= (round(f0[0], 9), f0[1] + 1e-9)
     assert np.all(new % fx.size == 0) and np.all(new + fx.size <= 8)  # aligned, legal
-    assert (f1, f2) == pytest.approx(tuple(float(v) for v in ms._score(*fx.loads(new))))
+    assert (f1, f2) == pytest.approx(tuple(float(v) for v in packing.score(*fx.loads(new))))
 
 
 @pytest.mark.parametrize("dataset,seed", [("freelaw", 7), ("arxiv", 6), ("github", 2)])
@@ -77,7 +77,7 @@ def test_narrow_keeps_feasibility_and_never_adds_shards(dataset, seed):
     pb = _problem(lengths, 8)
     a = np.asarray([pb.gid[(g.start, g.size)] for g in r.placement.groups])
     b = ms.narrow(pb, a, np.ones(pb.S, dtype=np.int64))
-    assert _key_of(pb, b)[0] == 0
+    assert pb.key_of(b)[0] == 0
     assert np.all(pb.gsize[b] <= pb.gsize[a])  # every group at most as wide as before
     assert np.all(pb.gsize[b] >= pb.gmin)
 

@@ -7,11 +7,13 @@ metrics that score a placement.
     placement.imbalance(p)    # (D_T, D_W)
 """
 from liquidcp_jax.placement import metrics
-from liquidcp_jax.placement.baselines import megatron_hybrid_cp, megatron_schedule, zeppelin
-from liquidcp_jax.placement.buddyring import BuddyRingResult, buddyring, buddyring_search
+from liquidcp_jax.placement.megatron import megatron_hybrid_cp, megatron_schedule
+from liquidcp_jax.placement.zeppelin import zeppelin
+from liquidcp_jax.placement.buddyring import (BuddyRingConfig, BuddyRingResult, buddyring,
+                                              buddyring_search)
 from liquidcp_jax.placement.metrics import PlacementMetrics, imbalance, summarize
 from liquidcp_jax.placement.types import Group, Placement, all_cp
 
 __all__ = ["Group", "Placement", "all_cp", "metrics", "megatron_hybrid_cp", "megatron_schedule",
-           "zeppelin", "BuddyRingResult", "buddyring", "buddyring_search", "PlacementMetrics",
-           "imbalance", "summarize"]
+           "zeppelin", "BuddyRingConfig", "BuddyRingResult", "buddyring", "buddyring_search",
+           "PlacementMetrics", "imbalance", "summarize"]

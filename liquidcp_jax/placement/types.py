@@ -15,10 +15,17 @@ import numpy as np
 from liquidcp_jax.validation import validate_lengths  # noqa: F401  (re-exported)
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+def check_num_devices(num_devices) -> int:
+    """``num_devices`` as an int, or ``ValueError`` unless it is a power-of-two int >= 1."""
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)):
+        raise ValueError(f"num_devices must be a power-of-two int >= 1, got {num_devices!r}")
+    if not is_pow2(int(num_devices)):
+        raise ValueError(f"num_devices must be a power of two >= 1, got {num_devices}")
+    return int(num_devices)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -34,7 +41,7 @@ class Group:
     size: int
 
     def __post_init__(self):
-        if not _is_pow2(int(self.size)):
+        if not is_pow2(int(self.size)):
             raise ValueError(f"Group.size must be a power of two >= 1, got {self.size}")
         if int(self.start) < 0 or int(self.start) % int(self.size):
             raise ValueError(
@@ -67,7 +74,7 @@ class Placement:
     def __post_init__(self):
         object.__setattr__(self, "lengths", validate_lengths(self.lengths))
         object.__setattr__(self, "groups", tuple(self.groups))
-        if not _is_pow2(int(self.num_devices)):
+        if not is_pow2(int(self.num_devices)):
             raise ValueError(
                 f"num_devices must be a power of two >= 1, got {self.num_devices}")
         if len(self.groups) != len(self.lengths):
@@ -99,7 +106,7 @@ class Placement:
 def all_cp(lengths: Sequence[int], num_devices: int) -> Placement:
     """Every sequence zigzag-partitioned over all ``num_devices`` devices."""
     lengths = validate_lengths(lengths)
-    if not _is_pow2(int(num_devices)):
+    if not is_pow2(int(num_devices)):
         raise ValueError(f"num_devices must be a power of two >= 1, got {num_devices}")
     g = Group(0, int(num_devices))
     return Placement(lengths, int(num_devices), tuple(g for _ in lengths), name="all_cp")

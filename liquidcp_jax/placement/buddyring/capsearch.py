@@ -1,6 +1,6 @@
 """Cap-directed search for BuddyRing's ``max_shards`` (issue 3: "never more shards than Megatron").
 
-:mod:`buddyring_minshard` widens from a few fixed size vectors, in the order of each
+:mod:`.minshard` widens from a few fixed size vectors, in the order of each
 sequence's per-device share, and stops when the next doubling would pass the cap.  On
 batches with few, long-tailed sequences (ArXiv) the placements that fit a cap such as
 Megatron's shard count often need size vectors that do not follow that order (a short
@@ -17,9 +17,9 @@ the shard-neutral local search; and a few need a sequence *below* its A.1 minimu
    ends the search at once;
 2. when it hits its node limit, a beam (``width``) over size vectors with at most ``cap``
    shards, from the A.1 minimum sizes, the seeds of
-   :func:`buddyring_minshard.seed_size_vectors` that fit and a greedy fill of the cap;
+   :func:`.minshard.seed_size_vectors` that fit and a greedy fill of the cap;
    children double one sequence (within the cap) or double one and halve another (down to
-   :func:`size_floor`).  Children are descended (:func:`buddyring_minshard.local_search`
+   :func:`size_floor`).  Children are descended (:func:`.packing.local_search`
    from a warm start); the survivors get an iterated local search (:func:`pack`): up to
    ``kicks`` times, re-place ``kick_size`` sequences (one on the worst device, the others
    anywhere) on random aligned groups of their size and descend again, keeping the best.
@@ -32,20 +32,22 @@ when the cap is below the A.1 floor ``sum gmin``) makes at most ``clip(12000 // 
 local-search calls of at most 16 steps each and stops after 4 levels without progress (see
 :func:`cap_search`).  On the 2-core CPU of ``benchmarks/RESULTS.md`` a search that finds
 nothing costs about 0.1-1 s; one that succeeds, mostly a few ms to a few hundred.  Loads,
-units and group ids are those of :mod:`buddyring_minshard` (``pb``: a
-``buddyring._Problem``).
+units and group ids are those of :mod:`.packing` (``pb``: a :class:`~.problem.Problem`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from liquidcp_jax.placement.buddyring.minshard import (_TOL, _Fixed, _lt, _orders, _score, construct,
-                                                      local_search, seed_size_vectors)
+from liquidcp_jax.placement.buddyring.minshard import seed_size_vectors
+from liquidcp_jax.placement.buddyring.packing import (FEASIBLE_TOL, FixedSizes, construct,
+                                                     local_search, packing_orders, score,
+                                                     score_less)
+from liquidcp_jax.placement.buddyring.problem import Problem
 
-_SEED = 20261203  # fixed generator seed of the kicks (determinism)
+SEED = 20261203  # fixed generator seed of the kicks (determinism)
 
 
-class _Budget:
+class Budget:
     """Local-search calls left; every :func:`local_search` of the search spends one."""
 
     def __init__(self, calls: int):
@@ -58,14 +60,14 @@ class _Budget:
         return True
 
 
-def _descend(fx: _Fixed, start: np.ndarray, iters: int, budget: _Budget):
+def _descend(fx: FixedSizes, start: np.ndarray, iters: int, budget: Budget):
     if not budget.take():
         return None
     return local_search(fx, start, iters, 1, stop_feasible=True)
 
 
-def pack(fx: _Fixed, warm: np.ndarray | None, *, iters: int, kicks: int, kick_size: int,
-         budget: _Budget, rng: np.random.Generator, construct_orders: int = 1):
+def pack(fx: FixedSizes, warm: np.ndarray | None, *, iters: int, kicks: int, kick_size: int,
+         budget: Budget, rng: np.random.Generator, construct_orders: int = 1):
     """Best starts found for fixed sizes: ``(f1, f2, start)`` (``f1 <= 1`` meets both
     tolerances), or ``None`` when the budget was spent before any descent.
 
@@ -75,16 +77,16 @@ def pack(fx: _Fixed, warm: np.ndarray | None, *, iters: int, kicks: int, kick_si
     pb = fx.pb
     starts = [] if warm is None else [warm]
     if warm is None or construct_orders > 0:
-        orders = ([pb.order_l] + _orders(fx))[:max(1, construct_orders)]
+        orders = ([pb.order_l] + packing_orders(fx))[:max(1, construct_orders)]
         starts += [construct(fx, o) for o in orders]
     best = None
     for st in starts:
         r = _descend(fx, st, iters, budget)
         if r is None:
             break
-        if best is None or _lt(r[1:], best[:2]):
+        if best is None or score_less(r[1:], best[:2]):
             best = (r[1], r[2], r[0])
-        if best[0] <= 1.0 + _TOL:
+        if best[0] <= 1.0 + FEASIBLE_TOL:
             return best
     if best is None:
         return None
@@ -103,14 +105,14 @@ def pack(fx: _Fixed, warm: np.ndarray | None, *, iters: int, kicks: int, kick_si
         res = _descend(fx, st, iters, budget)
         if res is None:
             break
-        if _lt(res[1:], best[:2]):
+        if score_less(res[1:], best[:2]):
             best = (res[1], res[2], res[0])
-        if best[0] <= 1.0 + _TOL:
+        if best[0] <= 1.0 + FEASIBLE_TOL:
             break
     return best
 
 
-def size_floor(pb) -> np.ndarray:
+def size_floor(pb: Problem) -> np.ndarray:
     """``(S,)`` smallest group size each sequence can have in any placement meeting both
     tolerances: its per-device share must stay within ``(1 + eps)`` times the largest mean
     any placement can have (every sequence at its largest padding).  The A.1 minimum
@@ -129,12 +131,12 @@ def size_floor(pb) -> np.ndarray:
     return out
 
 
-def _fill(pb, size: np.ndarray, cap: int) -> np.ndarray:
+def _fill(pb: Problem, size: np.ndarray, cap: int) -> np.ndarray:
     """Double the coarsest sequences (largest per-device share ``max(t/T, w/W)``) while the
     cap allows; ``(S,)`` sizes."""
     size = size.copy()
     while True:
-        fx = _Fixed(pb, size)
+        fx = FixedSizes(pb, size)
         q = np.maximum(fx.t / fx.mt, fx.w / fx.mw)
         room = cap - int(size.sum())
         ok = np.nonzero((size < pb.gmax) & (size <= room))[0]
@@ -144,7 +146,7 @@ def _fill(pb, size: np.ndarray, cap: int) -> np.ndarray:
         size[i] *= 2
 
 
-def _children(pb, fx: _Fixed, size: np.ndarray, start: np.ndarray, cap: int, k: int,
+def _children(pb: Problem, fx: FixedSizes, size: np.ndarray, start: np.ndarray, cap: int, k: int,
               floor: np.ndarray):
     """Size moves from ``size``: ``[(new sizes, warm starts)]``.  Doublings within the cap and
     exchanges (double ``i``, halve ``j`` down to ``floor``; at most ``cap`` shards).  With more
@@ -189,14 +191,14 @@ def _children(pb, fx: _Fixed, size: np.ndarray, start: np.ndarray, cap: int, k: 
     return out
 
 
-def cap_search(pb, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24,
+def cap_search(pb: Problem, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24,
                kick_size: int = 3, budget: int = 12000, min_calls: int = 60,
                max_calls: int = 800, k: int = 8, max_levels: int = 64, patience: int | None = 4,
                bb_work: int = 2_000_000, bb_min_nodes: int = 500, bb_max_nodes: int = 20000):
     """A placement with at most ``cap`` shards meeting both tolerances, or ``None``.
 
     Args:
-      pb: the batch's ``buddyring._Problem``.
+      pb: the batch's :class:`~.problem.Problem`.
       cap: the shard cap (``sum_i g_i`` at most this).
       width: size vectors kept per beam level.
       iters: local-search steps per descent.
@@ -225,11 +227,11 @@ def cap_search(pb, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24
         # found, proven that none exists, or a cap below the A.1 floor: the beam starts from
         # sizes at least the A.1 minimum and has not found one there in the benchmarks
         return a
-    rng = np.random.default_rng(_SEED)
-    bud = _Budget(int(np.clip(budget // max(pb.S, 1), min_calls, max_calls)))
+    rng = np.random.default_rng(SEED)
+    bud = Budget(int(np.clip(budget // max(pb.S, 1), min_calls, max_calls)))
 
     def done(size, start):
-        return np.asarray([pb.gid[(int(s), int(g))] for s, g in zip(start, size)], dtype=np.int64)
+        return pb.group_ids(start, size)
 
     seeds = [v for v in seed_size_vectors(pb, (0.5,)) if int(v.sum()) <= cap]
     fill = _fill(pb, floor, cap)
@@ -238,11 +240,11 @@ def cap_search(pb, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24
     seen = {tuple(v.tolist()) for v in seeds}
     beam = []
     for v in seeds:
-        fx = _Fixed(pb, v)
+        fx = FixedSizes(pb, v)
         res = pack(fx, None, iters=iters, kicks=0, kick_size=kick_size, budget=bud, rng=rng)
         if res is None:
             return None
-        if res[0] <= 1.0 + _TOL:
+        if res[0] <= 1.0 + FEASIBLE_TOL:
             return done(v, res[2])
         beam.append((res[0], res[1], v, res[2]))
     best_f1, stall = np.inf, 0
@@ -257,25 +259,25 @@ def cap_search(pb, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24
                 return None
         kicked = []
         for f1, f2, v, st in beam:
-            res = pack(_Fixed(pb, v), st, iters=iters, kicks=kicks, kick_size=kick_size,
+            res = pack(FixedSizes(pb, v), st, iters=iters, kicks=kicks, kick_size=kick_size,
                        budget=bud, rng=rng, construct_orders=0)
             if res is None:
                 return None
-            if res[0] <= 1.0 + _TOL:
+            if res[0] <= 1.0 + FEASIBLE_TOL:
                 return done(v, res[2])
             kicked.append((res[0], res[1], v, res[2]))
         # Children scored where they stand (one load evaluation each), then descended in
         # that order while the budget lasts.
         pool = []
         for f1, f2, v, st in kicked:
-            fx = _Fixed(pb, v)
+            fx = FixedSizes(pb, v)
             for s2, st2 in _children(pb, fx, v, st, cap, k, floor):
                 key = tuple(s2.tolist())
                 if key in seen:
                     continue
                 seen.add(key)
-                fx2 = _Fixed(pb, s2)
-                g1, g2 = _score(*fx2.loads(st2))
+                fx2 = FixedSizes(pb, s2)
+                g1, g2 = score(*fx2.loads(st2))
                 pool.append((round(float(g1), 9), float(g2), len(pool), fx2, s2, st2))
         if not pool:
             return None
@@ -285,7 +287,7 @@ def cap_search(pb, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24
             r = _descend(fx2, st2, iters, bud)
             if r is None:
                 return None
-            if r[1] <= 1.0 + _TOL:
+            if r[1] <= 1.0 + FEASIBLE_TOL:
                 return done(s2, r[0])
             kids.append((r[1], r[2], s2, r[0]))
         kids.sort(key=lambda e: (round(e[0], 9), e[1]))
@@ -293,7 +295,7 @@ def cap_search(pb, cap: int, *, width: int = 4, iters: int = 16, kicks: int = 24
     return None
 
 
-def branch_and_bound(pb, cap: int, *, node_limit: int = 4000):
+def branch_and_bound(pb: Problem, cap: int, *, node_limit: int = 4000):
     """Depth-first search over (sequence, aligned group) with at most ``cap`` shards.
 
     Sequences in decreasing attention work; each tries its legal groups (sizes at least its

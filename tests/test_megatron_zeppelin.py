@@ -1,10 +1,11 @@
-"""Megatron hybrid CP and Zeppelin baselines, and the placement metrics."""
+"""The Megatron hybrid CP and Zeppelin placements (BuddyRing's baselines), and the placement metrics."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from liquidcp_jax.placement import metrics
-from liquidcp_jax.placement.baselines import megatron_hybrid_cp, megatron_schedule, zeppelin
+from liquidcp_jax.placement.megatron import megatron_hybrid_cp, megatron_schedule
+from liquidcp_jax.placement.zeppelin import zeppelin
 from liquidcp_jax.placement.types import Group, Placement, all_cp
 
 K = 1024
