@@ -4,8 +4,8 @@ Per DCP degree (2, 4, 8; hq = 4 local query heads, one KV head per group, Table 
 with K = 132 compute CTAs), seeded batches of 128 decode requests (16 query tokens; history
 lengths drawn from the Mooncake conversation trace's input lengths plus generated tokens,
 clipped to 1K-128K) plus 4 prefill chunks (history = a 512-aligned cached prefix of a trace
-request, chunk <= 4K tokens). Times ``megadcp.build_tables`` (planning + packing) end to end;
-also reports decode-only batches (the 128 decode requests alone). Prints a table and writes
+request, chunk <= 4K tokens). Times ``megadcp.tables.build_descriptor_tables`` (planning +
+packing) end to end; also reports decode-only batches (the 128 decode requests alone). Prints a table and writes
 ``benchmarks/results/dcp_planner.json``.
 
 Wall-clock times (perf_counter) are the target metric; per-call CPU time of this process
@@ -76,13 +76,13 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(args.seed * 100 + P)
             warm = make_batch(rng, ins, outs, kind == "mixed")
             for _ in range(3):
-                md.build_tables(*warm, P, 4, params=params, engine=engine)
+                md.build_descriptor_tables(*warm, P, 4, params=params, engine=engine)
             ms, cpu, evals, gains, split_reqs = [], [], [], [], []
             row_load = os.getloadavg()[0]  # tails depend on what else runs on the 2 cores
             for _ in range(args.batches):
                 hist, q = make_batch(rng, ins, outs, kind == "mixed")
                 c0, t0 = time.process_time(), time.perf_counter()
-                tb = md.build_tables(hist, q, P, 4, params=params, engine=engine)
+                tb = md.build_descriptor_tables(hist, q, P, 4, params=params, engine=engine)
                 ms.append((time.perf_counter() - t0) * 1e3)
                 cpu.append((time.process_time() - c0) * 1e3)
                 evals.append(tb.plan.evaluations)

@@ -33,7 +33,7 @@ from liquidcp_jax import placement as placement_lib, state as state_lib, workloa
 from liquidcp_jax.megaring.layout import build_layout  # noqa: E402
 from liquidcp_jax.pallas import api  # noqa: E402
 from liquidcp_jax.pallas.tables import Segments  # noqa: E402
-from liquidcp_jax.megaring.segments import build_ring_segments, receive_parts  # noqa: E402
+from liquidcp_jax.megaring.ring_segments import build_ring_segments, receive_parts  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import causal_fwd_flops, median_time, seg_arrays, seg_capacity  # noqa: E402
@@ -88,7 +88,7 @@ def bench(ds, tokens, n_dev, reps, B=128):
                 for t in range(S)]
         ks = tuple(kc[jnp.asarray(x)] for x in rows)
         vs = tuple(vc[jnp.asarray(x)] for x in rows)
-        segs = tuple(Segments(*(jnp.asarray(a[d, t]) for a in rs.arrays()[:6]),
+        segs = tuple(Segments(*(jnp.asarray(a[d, t]) for a in rs[:6]),
                               jnp.int32(rs.count[d, t])) for t in range(S))
         qd, dod = qc[d * C:(d + 1) * C], doc[d * C:(d + 1) * C]
         f_ms = median_time(fwd, qd, ks, vs, segs, n=reps)[0] * 1e3

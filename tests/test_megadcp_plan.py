@@ -81,7 +81,7 @@ def _check_tables(tb, hist, qlen):
 
 def test_mixed_batch_tables():
     hist, qlen = [5000, 70000, 0, 300, 20000], [16, 16, 100, 16, 512]
-    tb = md.build_tables(hist, qlen, 4, 4, params=cw.Params(num_ctas=8, rho=0.5, delta_attn=4,
+    tb = md.build_descriptor_tables(hist, qlen, 4, 4, params=cw.Params(num_ctas=8, rho=0.5, delta_attn=4,
                                                            delta_red=2, gamma=0.5))
     assert tb.order == "fifo"  # mixed batch
     _check_tables(tb, hist, qlen)
@@ -90,7 +90,7 @@ def test_mixed_batch_tables():
 def test_fixed_split_tables_and_lpt_order():
     hist, qlen = [9000, 40000, 1200, 33], [16, 16, 16, 16]
     params = cw.Params(num_ctas=8, rho=0.5, delta_attn=4, delta_red=2, gamma=0.5)
-    tb = md.build_tables(hist, qlen, 2, 4, params=params, splits=[2, 5, 1, 1], num_comm_ctas=2)
+    tb = md.build_descriptor_tables(hist, qlen, 2, 4, params=params, splits=[2, 5, 1, 1], num_comm_ctas=2)
     assert tb.req_splits[:4].tolist() == [2, 5, 1, 1] and tb.order == "lpt"
     _check_tables(tb, hist, qlen)
     # LPT: history tasks ordered by epoch of their block, then by decreasing tiles.
@@ -111,29 +111,29 @@ def test_tables_property(hist, P, hq, data):
     qlen = data.draw(st.lists(st.sampled_from([1, 16, 16, 40]), min_size=len(hist), max_size=len(hist)))
     params = cw.Params(num_ctas=data.draw(st.integers(2, 16)), rho=0.5, delta_attn=4, delta_red=2,
                        gamma=0.5)
-    tb = md.build_tables(hist, qlen, P, hq, params=params, tile=64, rows_per_tile=64)
+    tb = md.build_descriptor_tables(hist, qlen, P, hq, params=params, tile=64, rows_per_tile=64)
     _check_tables(tb, hist, qlen)
     assert all(1 <= s <= lim for s, lim in zip(tb.plan.search_splits, tb.plan.limits))
 
 
 def test_capacity_buckets_are_stable():
-    a = md.build_tables([5000, 6000, 7000], [16] * 3, 2, 4)
-    b = md.build_tables([5100, 6100, 7200], [16] * 3, 2, 4, capacities=a.capacities)
+    a = md.build_descriptor_tables([5000, 6000, 7000], [16] * 3, 2, 4)
+    b = md.build_descriptor_tables([5100, 6100, 7200], [16] * 3, 2, 4, capacities=a.capacities)
     assert a.capacities == b.capacities
     assert md.bucket(0) == 8 and md.bucket(9) == 16 and md.bucket(16) == 16
 
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="history_lengths"):
-        md.build_tables([-1, 5], [16, 16], 2, 4)
+        md.build_descriptor_tables([-1, 5], [16, 16], 2, 4)
     with pytest.raises(ValueError, match="query_lengths"):
-        md.build_tables([10, 5], [16], 2, 4)
+        md.build_descriptor_tables([10, 5], [16], 2, 4)
     with pytest.raises(ValueError, match="dcp"):
-        md.build_tables([10, 5], [16, 16], 0, 4)
+        md.build_descriptor_tables([10, 5], [16, 16], 0, 4)
     with pytest.raises(ValueError, match="hq"):
-        md.build_tables([10, 5], [16, 16], 2, 0)
+        md.build_descriptor_tables([10, 5], [16, 16], 2, 0)
     with pytest.raises(ValueError, match="splits"):
-        md.build_tables([128, 5], [16, 16], 2, 4, splits=[3, 1])
+        md.build_descriptor_tables([128, 5], [16, 16], 2, 4, splits=[3, 1])
 
 
 ENGINES = ["python"] + (["native"] if cw.native_available() else [])
@@ -155,8 +155,8 @@ def test_native_tables_equal_python(hist, P, hq, data):
     if data.draw(st.booleans()):
         t0 = -(-md.local_history_lengths(hist, P)[0] // 64)
         kw["splits"] = [data.draw(st.integers(1, max(1, int(t)))) for t in t0]
-    a = md.build_tables(hist, qlen, P, hq, engine="native", **kw)
-    b = md.build_tables(hist, qlen, P, hq, engine="python", **kw)
+    a = md.build_descriptor_tables(hist, qlen, P, hq, engine="native", **kw)
+    b = md.build_descriptor_tables(hist, qlen, P, hq, engine="python", **kw)
     same_tables(a, b)
     _check_tables(a, hist, qlen)
 
@@ -167,7 +167,7 @@ def test_benchmark_sized_batch_engines_agree():
     rng = np.random.default_rng(7)
     hist = rng.integers(1024, 131072, 128).tolist() + [6144, 0]
     qlen = [16] * 128 + [3000, 700]
-    tabs = [md.build_tables(hist, qlen, 4, 4, engine=e) for e in ENGINES]
+    tabs = [md.build_descriptor_tables(hist, qlen, 4, 4, engine=e) for e in ENGINES]
     assert tabs[0].num_history_tasks > 500 and tabs[0].num_reductions > 1000
     for t in tabs[1:]:
         same_tables(t, tabs[0])

@@ -71,7 +71,7 @@ def test_one_step_configs_count_tokens_not_capacity_rows():
     # 9 sequences, 131076 tokens: 262144 rows in 16 slots (16384 per slot: the plain forward) but
     # 8192 tokens per slot: persistent.
     p = lcp.plan_megaring([14564] * 9, mesh, placement="all_cp")
-    rows, slots = p.static.local_capacity, p.segments[0].shape[1]
+    rows, slots = p.static.local_capacity, p.local_segments.capacity
     assert (rows, slots) == (262144, 16)
     fwd, bwd = megaring.one_step_configs(p)
     assert fwd.persistent is True and bwd.fused is None

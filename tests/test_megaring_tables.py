@@ -5,14 +5,14 @@ from hypothesis import given, settings, strategies as hst
 
 from liquidcp_jax import placement as placement_lib
 from liquidcp_jax.megaring.layout import build_layout, chunk_tokens
-from liquidcp_jax.megaring.tables import (MASK_DIAG, MASK_FULL, build_tables, claim_tasks,
-                                                   coalescing_thresholds, pool_sources)
+from liquidcp_jax.megaring.tables import (MASK_DIAG, MASK_FULL, build_megaring_tables, claim_tasks,
+                                          coalescing_thresholds, pool_sources)
 
 
 def _plan(lengths, placement, B, causal, task_tiles=4):
     lay = build_layout(lengths, placement.starts, placement.sizes, placement.num_devices, B)
-    tb, info, slots, caps = build_tables(lay, placement.starts, placement.sizes, lengths, causal=causal,
-                                         task_tiles=task_tiles)
+    tb, info, slots, caps = build_megaring_tables(lay, placement.starts, placement.sizes, lengths,
+                                                  causal=causal, task_tiles=task_tiles)
     return lay, tb, info
 
 

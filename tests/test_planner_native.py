@@ -83,8 +83,8 @@ def test_benchmark_shaped_plans_equal_straightforward_search(P, mixed, seed):
     strip = lambda p: dataclasses.replace(p, evaluations=0)  # noqa: E731
     assert strip(got) == strip(ref)
     assert got.evaluations <= ref.evaluations
-    # The same plan is what build_tables selects (its chunk tasks are these).
-    tb = md.build_tables(hist, q, P, 4, params=params, engine="native")
+    # The same plan is what build_descriptor_tables selects (its chunk tasks are these).
+    tb = md.build_descriptor_tables(hist, q, P, 4, params=params, engine="native")
     assert tb.plan.splits == ref.splits and tb.plan.score == ref.score
 
 
@@ -143,9 +143,9 @@ def test_native_queue_dispatch_equals_python_on_raw_workloads(data):
 
 @pytest.mark.parametrize("P,mixed,seed", [(2, False, 10), (2, True, 11), (4, True, 12), (8, True, 13)])
 def test_one_call_step_equals_python_tables(P, mixed, seed):
-    # build_tables' default compiled path (_cw_native.step: shard lengths, chunk tiles, the
+    # build_descriptor_tables' default compiled path (_cw_native.step: shard lengths, chunk tiles, the
     # FA3 reference, limits, search and packing in one call) against the NumPy/Python path,
     # field by field, on benchmark-shaped steps.
     hist, q = _batch(np.random.default_rng(seed), mixed)
-    same_tables(md.build_tables(hist, q, P, 4, engine="native"),
-                 md.build_tables(hist, q, P, 4, engine="python"))
+    same_tables(md.build_descriptor_tables(hist, q, P, 4, engine="native"),
+                 md.build_descriptor_tables(hist, q, P, 4, engine="python"))

@@ -11,7 +11,7 @@ import liquidcp_jax as lcp
 from liquidcp_jax import megaring, placement as placement_lib
 from liquidcp_jax import reference as ref
 from liquidcp_jax.megaring.layout import build_layout
-from liquidcp_jax.megaring.segments import build_ring_segments, coverage, receive_parts, step_segment
+from liquidcp_jax.megaring.ring_segments import build_ring_segments, coverage, receive_parts, step_segment
 
 from _cases import mixed_placement, random_qkv
 
@@ -155,7 +155,9 @@ def test_pallas_backend_runs_the_segment_ring_for_groups(mesh8, rng, monkeypatch
     assert len(calls) == 1
     ro, _ = ref.attention_reference(*_f64(q, k, v), lengths)
     assert ref.rel_error(out, ro) < 2e-2
-    assert megaring.ops._resolve_backend("auto", args[0], 64, plan) == "xla"
+    call = megaring.ops.MegaRingCall(*args, scale=0.125, with_lse=False)
+    chosen, why = megaring.BACKENDS.select("auto", call)
+    assert chosen.name == "xla" and "segment ring" in why
     lcp.megaring_attention(*args, backend="auto")
     assert len(calls) == 1
 
@@ -278,7 +280,7 @@ def _emulated_ring(plan, q, k, v, do, attend, attend_bwd):
     parts = lambda d, t: receive_parts(st.section_sizes, st.section_tiles, st.tile_size, d, t,
                                        include_stale=True)
     gather = lambda x, d, t: x[jnp.asarray(np.concatenate([r for _, _, r in parts(d, t)]))]
-    seg = lambda d, t: Segments(*(a[d, t] for a in rs.arrays()[:6]), rs.count[d, t])
+    seg = lambda d, t: Segments(*(a[d, t] for a in rs[:6]), rs.count[d, t])
     steps = int(max(st.section_sizes))
     outs, lses = [], []
     for d in range(st.num_devices):
@@ -392,7 +394,7 @@ def _host_plan(lengths, pl, lay):
     import types
     rs = build_ring_segments(lay, pl.starts, pl.sizes, lengths, causal=True)
     N = lay.tile_seq.shape[0]
-    static = types.SimpleNamespace(num_devices=N, tile_size=lay.shard_src.shape[0] // (N * lay.tile_seq.shape[1]),
+    static = types.SimpleNamespace(num_devices=N, tile_size=lay.tile_size,
                                    local_capacity=lay.shard_src.shape[0] // N,
                                    section_sizes=lay.section_sizes, section_tiles=lay.section_tiles)
 

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from liquidcp_jax import state as st
-from liquidcp_jax.megaring.ops import _check_inputs
+from liquidcp_jax.megaring.ops import check_inputs
 from liquidcp_jax.megaring.plan import MegaRingPlan
 from liquidcp_jax.util import constrain as _constrain
 
@@ -124,7 +124,7 @@ def _allgather_pass(attend, kv, s):
 def _baseline(kv_pass, name: str, q, k, v, plan: MegaRingPlan, causal: bool, scale: float | None,
               block: int | None):
     """Checks the inputs and runs ``kv_pass`` (:func:`_ring_pass` or :func:`_allgather_pass`)."""
-    d = _check_inputs(q, k, v, plan, causal)
+    d = check_inputs(q, k, v, plan, causal)
     _check_plan(plan, name)
     scale = d ** -0.5 if scale is None else float(scale)
     block = _block_size(plan, block)

@@ -5,7 +5,7 @@ Runs inside ``jax.shard_map`` on one device's shard. KV sections travel around t
 size-``g`` rings as in :mod:`liquidcp_jax.executors.xla` (one ``ppermute`` per step and section);
 at step ``t`` the step's Compute task is a single segment-attention call over the local queries
 and a key buffer laid out as the local one (:func:`_step_buffers`), described by
-:class:`liquidcp_jax.megaring.segments.RingSegments` (one segment per sequence, with
+:class:`liquidcp_jax.megaring.ring_segments.RingSegments` (one segment per sequence, with
 positions), and its ``(out, lse)`` merges into the running state (paper Eq. 1). The backward
 re-circulates KV, calls the segment backward per step with the final ``(out, lse)`` (so the
 steps' shares sum to the full gradients), accumulates dQ locally and returns each step's dK / dV

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from liquidcp_jax.megaring.layout import ring_sender, section_offsets
 from liquidcp_jax.megaring.tables import MASK_DIAG, MASK_FULL, SlotLayout
 
 DEFAULT_MEMORY_BUDGET = 512 * 2 ** 20
@@ -54,11 +55,7 @@ class ExecSpec:
 
     @property
     def section_offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for n in self.section_tiles:
-            out.append(acc)
-            acc += n
-        return tuple(out)
+        return section_offsets(self.section_tiles)
 
     def chunk(self, bytes_per_item: int, capacity: int) -> int:
         """Tasks per chunk: a power of two within the budget, at least 1, at most ``capacity`` rounded up."""
@@ -81,7 +78,7 @@ def bwd_pair_bytes(B: int, hq: int, hkv: int, D: int, itemsize: int) -> int:
 
 def _shift_perm(num_devices: int, g: int, shift: int):
     """Device ``d`` (member ``p`` of its aligned size-``g`` group) sends to member ``p + shift``."""
-    return [(d, (d // g) * g + (d % g + shift) % g) for d in range(num_devices)]
+    return [(d, ring_sender(d, g, -shift)) for d in range(num_devices)]
 
 
 def _sections(x, spec: ExecSpec):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +46,11 @@ class DcpSpec(DcpShape):
     scale: float = dataclasses.field(kw_only=True)
 
     @classmethod
-    def from_static(cls, static: DcpShape, scale: float) -> "DcpSpec":
-        """The spec of ``static`` (a :class:`DcpShape`, e.g. a plan's ``DcpStatic``) at ``scale``:
-        its shape fields only, so host facts (mesh, head counts) stay out of the trace key."""
-        shape = {f.name: getattr(static, f.name) for f in dataclasses.fields(DcpShape)}
-        return cls(**shape, scale=float(scale))
+    def from_shape(cls, shape: DcpShape, scale: float) -> "DcpSpec":
+        """The spec of a plan's ``shape`` at ``scale`` (host facts such as the mesh and head counts
+        stay out of the trace key)."""
+        fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(DcpShape)}
+        return cls(**fields, scale=float(scale))
 
 
 

@@ -3,11 +3,12 @@
 :mod:`.critical_wave` (the one-GPU task model of §5.2), :mod:`.split_search` (plan selection),
 :mod:`.fa3` (FlashAttention-3's split heuristic, the reference plan), :mod:`.calibrate` (fitting
 the model to measured busy times), :mod:`.tables` (descriptor tables), :mod:`.exec_tables` (the
-executor's per-rank pairs), :mod:`.plan` (``plan_megadcp``) and :mod:`.ops` (``megadcp_attention``).
+executor's per-rank pairs), :mod:`.plan` (``plan_megadcp``) and :mod:`.ops` (``megadcp_attention``
+and its backend registry ``BACKENDS``).
 The compiled planner (``_cw_native``, C sources beside this file) is optional.
 """
 from liquidcp_jax.megadcp import critical_wave
 from liquidcp_jax.megadcp.plan import MegaDcpPlan, plan_megadcp
-from liquidcp_jax.megadcp.ops import megadcp_attention
+from liquidcp_jax.megadcp.ops import BACKENDS, megadcp_attention
 
-__all__ = ["critical_wave", "MegaDcpPlan", "plan_megadcp", "megadcp_attention"]
+__all__ = ["critical_wave", "MegaDcpPlan", "plan_megadcp", "BACKENDS", "megadcp_attention"]

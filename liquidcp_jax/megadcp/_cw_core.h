@@ -4,8 +4,8 @@
  *   _cw_sim.c     the bulk event simulator (critical_wave._simulate_bulk) and its queues;
  *   _cw_search.c  the candidate scorer and the split search (split_search._Scorer, the loop);
  *   _cw_native.c  the Python bindings and FA3's static split heuristic;
- *   _cw_step.c    one call for a whole decode step (megadcp.build_tables): inputs, FA3
- *                 reference, limits, search, packing;
+ *   _cw_step.c    one call for a whole decode step (megadcp.tables.build_descriptor_tables):
+ *                 inputs, FA3 reference, limits, search, packing;
  *   _dcp_pack.c   the descriptor packer (megadcp._pack_python).
  * The Python code is the specification; tests assert both give the same results.
  */

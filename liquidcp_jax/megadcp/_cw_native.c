@@ -206,7 +206,7 @@ static PyMethodDef methods[] = {
     {"pack", dcp_pack, METH_VARARGS, "MegaDCP descriptor packing (megadcp._pack_python)."},
     {"plan", py_plan, METH_VARARGS, "Critical-wave split search (split_search.plan_splits core)."},
     {"fa3_heuristic", py_fa3_heuristic, METH_VARARGS, "FA3 num_splits_heuristic (fa3.py)."},
-    {"step", dcp_step, METH_VARARGS, "Plan and pack one decode step (megadcp.build_tables)."},
+    {"step", dcp_step, METH_VARARGS, "Plan and pack one decode step (megadcp.tables.build_descriptor_tables)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,12 +1,12 @@
-/* One compiled call for a MegaDCP decode step: megadcp.build_tables' default path.
+/* One compiled call for a MegaDCP decode step: megadcp.tables.build_descriptor_tables' default path.
  *
  * The planner runs once per decode step and must take well under a millisecond; at P = 2
  * the Python around the compiled search and packer (per-rank shard lengths, chunk tiles,
  * FA3's reference plan in NumPy, split limits, list conversions, request-table padding) cost
  * about a fifth of that. This file does those steps in C, exactly as the Python code does
- * them (megadcp.build_tables, split_search._select / _fa3_reference, fa3.py), then runs the
- * search (plan_core) and the packer (pack_core). Tests compare its tables and plan with the
- * Python path's (engine="python") and with the separate compiled calls.
+ * them (megadcp.tables.build_descriptor_tables, split_search._select / _fa3_reference, fa3.py),
+ * then runs the search (plan_core) and the packer (pack_core). Tests compare its tables and
+ * plan with the Python path's (engine="python") and with the separate compiled calls.
  *
  *   step(hist, qlen, P, hq, tile, rows_per_tile, M, merge_run, K, rho, da, dr, gm, wpc,
  *        decode_max_query, min_decode_limit, min_gain, alloc)

@@ -1,4 +1,4 @@
-/* MegaDCP descriptor packing (megadcp.build_tables), compiled into _cw_native.
+/* MegaDCP descriptor packing (megadcp.tables.build_descriptor_tables), compiled into _cw_native.
  *
  * Mirrors megadcp._pack_python row for row (tests assert identical tables): the NumPy version
  * is the specification; this one avoids ~100 array passes over tens of thousands of rows

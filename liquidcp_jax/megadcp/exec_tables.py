@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from liquidcp_jax.megadcp.tables import DcpTables, bucket, local_history_lengths
+from liquidcp_jax.megadcp.tables import DcpTables, bucket
 from liquidcp_jax.util import ranges as _ranges
 
 _FILL = np.iinfo(np.int32).max   # out-of-range gather index: reads 0 (mode="fill")
@@ -21,8 +21,9 @@ _FILL = np.iinfo(np.int32).max   # out-of-range gather index: reads 0 (mode="fil
 class DcpShape:
     """The capacities a per-rank program is traced with (hashable; capacities, not counts).
 
-    One field list for both sides of the split: the plan's compile key (:class:`~liquidcp_jax.megadcp.plan.DcpStatic`)
-    extends it with host facts, the executor's ``DcpSpec`` with the call's softmax scale.
+    One field list for both sides of the split: the plan's compile key
+    (:class:`~liquidcp_jax.megadcp.plan.DcpStatic`) holds one with the facts the op checks its
+    inputs against, the executor's ``DcpSpec`` extends it with the call's softmax scale.
     """
 
     axis_name: str
@@ -87,12 +88,19 @@ def _pad_rows(a, cap: int, P_: int) -> np.ndarray:
     return out
 
 
-def exec_tables(t: DcpTables, caps: dict, min_capacity: int):
-    """Derives the executor's pair/reduction tables from the planner's descriptor tables."""
+def local_offsets(local: np.ndarray) -> np.ndarray:
+    """``(P, S)`` first slot of each request's history in each rank's shard (requests stored back
+    to back), from the ``(P, S)`` local history lengths."""
+    local = np.asarray(local, np.int64)
+    return np.cumsum(local, axis=1) - local
+
+
+def build_exec_tables(t: DcpTables, caps: dict, min_capacity: int):
+    """Derives the executor's pair/reduction tables from the planner's descriptor tables:
+    ``(DcpExecTables, {"chunk_pairs": n, "history_pairs": n})`` (the pair capacities)."""
     Pn, B = t.dcp, t.tile
     q_off = t.req_query_offset.astype(np.int64)
-    local = t.req_local_len.astype(np.int64)                          # (P, R_cap)
-    loc_off = np.cumsum(local, axis=1) - local
+    loc_off = local_offsets(t.req_local_len)                          # (P, R_cap)
 
     c = t.num_chunk_tasks
     c_own, c_j = _ranges(t.chunk_tiles[:c])
@@ -130,10 +138,12 @@ def exec_tables(t: DcpTables, caps: dict, min_capacity: int):
     return DcpExecTables(**cols), {"chunk_pairs": n_cp, "history_pairs": n_hp}
 
 
-def shard_src(hist: np.ndarray, Pn: int, hist_cap: int) -> np.ndarray:
-    """``[P * L_cap]`` packed index of each shard slot (history token ``t`` -> rank ``t % P``)."""
-    local = local_history_lengths(hist, Pn)
-    loc_off = np.cumsum(local, axis=1) - local
+def shard_src(hist: np.ndarray, local: np.ndarray, hist_cap: int) -> np.ndarray:
+    """``[P * L_cap]`` packed index of each shard slot (history token ``t`` -> rank ``t % P``), from
+    the ``(S,)`` history lengths and their ``(P, >= S)`` local lengths
+    (``DcpTables.req_local_len``)."""
+    Pn = local.shape[0]
+    loc_off = local_offsets(local)
     req, t = _ranges(hist)
     h_off = np.cumsum(hist) - hist
     r, j = t % Pn, t // Pn

@@ -1,5 +1,5 @@
 """MegaDCP's op: ``megadcp_attention`` runs one planned decode step (paper §2.1 "Decoding", §5,
-Fig. 2(b)) on the XLA executor.
+Fig. 2(b)) on one of its backends (:data:`BACKENDS`; today the XLA executor).
 
     plan = lcp.plan_megadcp(history_lengths, query_lengths, mesh, "dcp", num_q_heads=Hq)
     k_sh, v_sh = plan.shard_history(k_hist), plan.shard_history(v_hist)   # [sum(hist), 1, D] packed
@@ -7,29 +7,34 @@ Fig. 2(b)) on the XLA executor.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from liquidcp_jax.backends import Backend, Registry
 from liquidcp_jax.executors import xla_dcp
 from liquidcp_jax.megadcp.exec_tables import DcpExecTables
 from liquidcp_jax.megadcp.plan import MegaDcpPlan
 from liquidcp_jax.util import constrain as _constrain
 
+
 def _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout: str):
     """Validates shapes; returns ``(D, hist_is_packed)``."""
     if not isinstance(plan, MegaDcpPlan):
         raise ValueError(f"plan must be a MegaDcpPlan from lcp.plan_megadcp; got {type(plan).__name__}")
-    s = plan.static
+    s = plan.static.shape
     for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_hist", k_hist), ("v_hist", v_hist)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(f"{name} must have shape [T, H, D]; got shape {getattr(x, 'shape', None)}")
     Tq, Hq, D = q.shape
-    if Hq != s.num_q_heads:
-        raise ValueError(f"q has {Hq} heads; expected num_q_heads={s.num_q_heads} (the plan's; a "
+    num_q_heads, head_dim = plan.static.num_q_heads, plan.static.head_dim
+    if Hq != num_q_heads:
+        raise ValueError(f"q has {Hq} heads; expected num_q_heads={num_q_heads} (the plan's; a "
                          f"multiple of P={s.dcp})")
-    if s.head_dim is not None and D != s.head_dim:
-        raise ValueError(f"q head dim {D}; expected head_dim={s.head_dim} (the plan's)")
+    if head_dim is not None and D != head_dim:
+        raise ValueError(f"q head dim {D}; expected head_dim={head_dim} (the plan's)")
     n_q = plan.num_query_tokens
     if (n_q is not None and Tq != n_q) or Tq > s.tq_cap:
         raise ValueError(f"q has {Tq} tokens; expected sum(query_lengths)={n_q if n_q is not None else '?'} "
@@ -70,20 +75,21 @@ def run_dcp(combine, q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, scal
             history_layout: str = "auto"):
     """Shared driver of MegaDCP and the DCP baselines: validates, lays out, pads, executes."""
     D, packed = _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout)
-    s = plan.static
+    s = plan.static.shape
     scale = D ** -0.5 if scale is None else float(scale)
     if packed:
         k_hist, v_hist = plan.shard_history(k_hist), plan.shard_history(v_hist)
     Tq = q.shape[0]
     pad = ((0, s.tq_cap - Tq), (0, 0), (0, 0))
-    mesh, ax = s.mesh, s.axis_name
+    mesh, ax = plan.static.mesh, s.axis_name
     q = _constrain(jnp.pad(jnp.asarray(q), pad), NamedSharding(mesh, P(None, ax)))
     rep = NamedSharding(mesh, P())
     k_new, v_new = (_constrain(jnp.pad(jnp.asarray(x), pad), rep) for x in (k_new, v_new))
     k_hist, v_hist = (_constrain(jnp.asarray(x), plan.history_sharding) for x in (k_hist, v_hist))
     tables = DcpExecTables(*(_constrain(jnp.asarray(x), plan.history_sharding)
                                      for x in plan.tables))
-    out = xla_dcp.execute(combine, s.exec_spec(scale), mesh, q, k_new, v_new, k_hist, v_hist, tables)
+    out = xla_dcp.execute(combine, plan.static.exec_spec(scale), mesh, q, k_new, v_new, k_hist,
+                          v_hist, tables)
     return out[:Tq]
 
 
@@ -101,15 +107,46 @@ def megadcp_attention(q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, sca
         ``[sum(history_lengths), 1, D]`` (laid out here); detected by shape.
       plan: from :func:`plan_megadcp`.
       scale: softmax scale, default ``1/sqrt(D)``.
-      backend: ``"auto"`` or ``"xla"`` (the portable executor); ``"pallas"`` is not available yet.
+      backend: ``"auto"`` or a name of :data:`BACKENDS`: ``"xla"`` (the portable executor);
+        ``"pallas"`` (the MegaDCP GPU engine) is not available yet. A named backend that cannot
+        run raises ``ValueError`` saying why.
       history_layout: ``"auto"`` (by shape), ``"packed"`` or ``"sharded"`` when shapes coincide.
     Returns:
       ``[Tq, Hq, D]`` in ``q.dtype``, sharded over heads.
     """
-    if backend not in ("auto", "xla", "pallas"):
-        raise ValueError(f'backend must be "auto", "xla" or "pallas"; got {backend!r}')
-    if backend == "pallas":
-        raise NotImplementedError('megadcp_attention backend="pallas": there is no MegaDCP GPU engine '
-                                  'yet; use backend="auto" or "xla" (the portable XLA executor)')
-    return run_dcp(xla_dcp.megadcp_combine, q, k_new, v_new, k_hist, v_hist, plan, scale=scale,
-                   history_layout=history_layout)
+    call = MegaDcpCall(q, k_new, v_new, k_hist, v_hist, plan, scale, history_layout)
+    return BACKENDS.select(backend, call)[0].run(call)
+
+
+class MegaDcpCall(NamedTuple):
+    """A call of :func:`megadcp_attention` as the backends see it (validated when run)."""
+
+    q: Any
+    k_new: Any
+    v_new: Any
+    k_hist: Any
+    v_hist: Any
+    plan: MegaDcpPlan
+    scale: float | None
+    history_layout: str
+
+
+def _run_xla(c: MegaDcpCall):
+    return run_dcp(xla_dcp.megadcp_combine, c.q, c.k_new, c.v_new, c.k_hist, c.v_hist, c.plan,
+                   scale=c.scale, history_layout=c.history_layout)
+
+
+_NO_ENGINE = ('there is no MegaDCP GPU engine yet; use backend="auto" or "xla" (the portable XLA '
+              'executor)')
+
+
+def _no_engine(c: MegaDcpCall):
+    raise AssertionError(_NO_ENGINE)  # never selected: its unsupported() always says why
+
+
+#: MegaDCP's backends, ``"auto"`` trying them in order. The GPU engine replaces the ``"pallas"``
+#: placeholder with ``Backend("pallas", run, unsupported)`` and goes first in ``auto``.
+BACKENDS = Registry("megadcp_attention", [
+    Backend("xla", _run_xla),
+    Backend("pallas", _no_engine, lambda c: _NO_ENGINE),
+], auto=("xla",))

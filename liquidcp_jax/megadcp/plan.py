@@ -8,12 +8,14 @@ interleave size 1, SGLang). On a rank, the local tokens of request ``0, 1, ...``
 to back, padded to one capacity ``L_cap`` per rank, so the laid-out cache is a global
 ``[P * L_cap, 1, D]`` array sharded over the axis.
 
-The plan is a pytree of fixed-capacity int32 tables: pass it as a jit argument, and batches in
-one capacity bucket (``plan.capacity`` pins one) reuse one compiled program.
+The plan is a frozen dataclass pytree of fixed-capacity int32 tables whose static part
+(:class:`DcpStatic`) is its compile key: pass it as a jit argument, and batches in one capacity
+bucket (``plan.capacity`` pins one) reuse one compiled program.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -23,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from liquidcp_jax.executors import xla_dcp
 from liquidcp_jax.megadcp import critical_wave as cw
-from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape, exec_tables, shard_src
-from liquidcp_jax.megadcp.tables import DcpTables, bucket, build_tables, local_history_lengths
+from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape, build_exec_tables, shard_src
+from liquidcp_jax.megadcp.tables import DcpTables, bucket, build_descriptor_tables
 from liquidcp_jax.util import constrain as _constrain
 
 DEFAULT_MEMORY_BUDGET = 256 << 20   # bytes of attention temporaries per block of pairs
@@ -32,19 +34,22 @@ _TABLE_KEYS = ("requests", "chunk", "history", "reductions", "reduction_inputs",
 
 
 @dataclasses.dataclass(frozen=True)
-class DcpStatic(DcpShape):
+class DcpStatic:
     """The hashable part of a plan (capacities, not batch counts): the compile key.
 
-    The executor's capacities (:class:`~liquidcp_jax.executors.xla_dcp.DcpShape`) plus the
-    facts the op checks its inputs against.
+    Fields:
+      shape: the executor's capacities (:class:`~liquidcp_jax.megadcp.exec_tables.DcpShape`).
+      mesh: the device mesh (its ``shape.axis_name`` axis is the DCP group).
+      num_q_heads: ``Hq``; head_dim: ``D`` or ``None`` (the facts the op checks its inputs against).
     """
 
-    mesh: Mesh = dataclasses.field(kw_only=True)
-    num_q_heads: int = dataclasses.field(kw_only=True)
-    head_dim: int | None = dataclasses.field(kw_only=True)
+    shape: DcpShape
+    mesh: Mesh
+    num_q_heads: int
+    head_dim: int | None
 
     def exec_spec(self, scale: float) -> xla_dcp.DcpSpec:
-        return xla_dcp.DcpSpec.from_static(self, scale)
+        return xla_dcp.DcpSpec.from_shape(self.shape, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,30 +63,26 @@ class HostInfo:
     capacity: dict
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("tables", "shard_src"),
+                   meta_fields=("static",), drop_fields=("host",))
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class MegaDcpPlan:
-    """A MegaDCP plan: static signature + executor tables (+ host-only facts).
+    """A MegaDCP plan: the static part (the compile key), int32 executor tables (the pytree's
+    leaves) and host-only facts (not part of the pytree: ``None`` after ``jit`` or
+    ``jax.tree.map``).
 
-    Attributes:
+    Fields:
       static: :class:`DcpStatic`.
       tables: ``DcpExecTables`` of ``[P, cap]`` int32 arrays.
       shard_src: ``[P * L_cap]`` int32 packed-history index feeding each shard slot (fill: padding).
-      host: :class:`HostInfo` (``None`` inside ``jit``): lengths, the planner's ``DcpTables``
-        (splits, order, epochs, ...), split source and capacity bucket.
+      host: :class:`HostInfo`: lengths, the planner's ``DcpTables`` (splits, order, epochs, ...),
+        split source and capacity bucket.
     """
 
-    def __init__(self, static: DcpStatic, tables: DcpExecTables, shard_src, host=None):
-        self.static = static
-        self.tables = tables
-        self.shard_src = shard_src
-        self.host = host
-
-    def tree_flatten(self):
-        return tuple(self.tables) + (self.shard_src,), self.static
-
-    @classmethod
-    def tree_unflatten(cls, static, leaves):
-        return cls(static, DcpExecTables(*leaves[:-1]), leaves[-1])
+    static: DcpStatic
+    tables: DcpExecTables
+    shard_src: Any
+    host: HostInfo | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -90,12 +91,12 @@ class MegaDcpPlan:
     @property
     def history_sharding(self) -> NamedSharding:
         """Sharding of laid-out history ``[P * L_cap, 1, D]``."""
-        return NamedSharding(self.static.mesh, P(self.static.axis_name))
+        return NamedSharding(self.static.mesh, P(self.static.shape.axis_name))
 
     @property
     def history_capacity(self) -> int:
         """``P * L_cap``: rows of a laid-out history array."""
-        return self.static.dcp * self.static.hist_cap
+        return self.static.shape.dcp * self.static.shape.hist_cap
 
     @property
     def num_query_tokens(self) -> int | None:
@@ -130,8 +131,8 @@ class MegaDcpPlan:
         return _constrain(y, self.history_sharding)
 
     def __repr__(self):
-        s = self.static
-        return (f"MegaDcpPlan(P={s.dcp}, Hq={s.num_q_heads}, hq={s.hq}, tile={s.tile}, "
+        s = self.static.shape
+        return (f"MegaDcpPlan(P={s.dcp}, Hq={self.static.num_q_heads}, hq={s.hq}, tile={s.tile}, "
                 f"Tq_cap={s.tq_cap}, L_cap={s.hist_cap}, splits={self.splits})")
 
 
@@ -195,25 +196,25 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
         raise ValueError(f"memory_budget must be a positive number of bytes; got {memory_budget!r}")
     hq = int(num_q_heads) // Pn
     caps = dict(capacities or {})
-    t = build_tables(hist, qlen, Pn, hq, params=params, tile=tile, rows_per_tile=rows_per_tile,
-                     splits=splits, num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
-                     capacities={k: v for k, v in caps.items() if k in _TABLE_KEYS})
-    tables, pair_caps = exec_tables(t, caps, min_capacity)
+    t = build_descriptor_tables(hist, qlen, Pn, hq, params=params, tile=tile,
+                                rows_per_tile=rows_per_tile, splits=splits,
+                                num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
+                                capacities={k: v for k, v in caps.items() if k in _TABLE_KEYS})
+    tables, pair_caps = build_exec_tables(t, caps, min_capacity)
     u = t.num_reductions
     red_inputs = bucket(max(int(t.red_input_count[:u].max(initial=1)), caps.get("red_inputs", 0)), 1)
     red_run = bucket(max(int(t.red_vec_count[:u].max(initial=1)), caps.get("red_run", 0)), 1)
     tq_cap = bucket(max(int(qlen.sum()), caps.get("query_tokens", 0)), min_capacity)
-    local_total = int(local_history_lengths(hist, Pn).sum(axis=1).max())
+    local_total = int(t.req_local_len.astype(np.int64).sum(axis=1).max())
     hist_cap = tile * bucket(max(-(-local_total // tile), caps.get("history_tiles", 0)), 1)
     dmax = 256 if head_dim is None else int(head_dim)   # the block must fit any head dim it may see
     c_block = _pair_block(pair_caps["chunk_pairs"], t.chunk_q_tile_tokens * hq, tile, dmax, memory_budget)
     h_block = _pair_block(pair_caps["history_pairs"], t.q_tile_tokens * Pn * hq, tile, dmax, memory_budget)
-    static = DcpStatic(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
-                       hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block,
-                       mesh=mesh, num_q_heads=int(num_q_heads),
-                       head_dim=None if head_dim is None else int(head_dim))
+    shape = DcpShape(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
+                     hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block)
+    static = DcpStatic(shape, mesh, int(num_q_heads), None if head_dim is None else int(head_dim))
     capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
                 "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
     source = _split_source or ("critical_wave" if splits is None else "fixed")
     host = HostInfo(tuple(int(x) for x in hist), tuple(int(x) for x in qlen), t, source, capacity)
-    return MegaDcpPlan(static, tables, shard_src(hist, Pn, hist_cap), host)
+    return MegaDcpPlan(static, tables, shard_src(hist, t.req_local_len, hist_cap), host)

@@ -83,6 +83,12 @@ class SplitPlan:
     evaluations: int
 
 
+def tile_query_tokens(rows_per_tile: int, heads: int) -> int:
+    """Query tokens of one attention tile: ``rows_per_tile`` (token, head) rows over ``heads``
+    heads, at least one token (history tiles hold all ``H`` heads, chunk tiles the ``hq`` local)."""
+    return max(1, rows_per_tile // heads)
+
+
 def _ceil_div(a, b):
     return -(-a // b)
 
@@ -256,7 +262,7 @@ def _select(tiles, tiles_a, qs_a, vec, chunk, params, *, heads, rows_per_tile, h
     int64 array or None, ``toks`` (history_tokens) int64 array or None, ``eng`` resolved."""
     S = len(tiles)
     K = params.num_ctas
-    rows_tokens = max(1, rows_per_tile // heads)
+    rows_tokens = tile_query_tokens(rows_per_tile, heads)
     qtiles = (-(-qs_a // rows_tokens)).tolist()
     decode = qs_a <= decode_max_query
     decode_only = bool(decode.all())

@@ -40,7 +40,8 @@ import numpy as np
 
 from liquidcp_jax.megadcp import critical_wave as cw
 from liquidcp_jax.megadcp import split_search as ss
-from liquidcp_jax.megadcp.split_search import QUERY_BLOCK, SplitPlan, plan_splits
+from liquidcp_jax.megadcp.split_search import (QUERY_BLOCK, SplitPlan, plan_splits,
+                                               tile_query_tokens)
 from liquidcp_jax.util import pow2_bucket, ranges as _ranges
 
 
@@ -182,11 +183,11 @@ _COUNT_NAMES = {"chunk": "num_chunk_tasks", "history": "num_history_tasks",
                 "finals": "num_finals", "blocks": "num_blocks"}
 
 
-def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], dcp: int, hq: int, *,
-                 params: "cw.Params | None" = None, tile: int = 128, rows_per_tile: int = 128,
-                 splits: Sequence[int] | None = None, num_comm_ctas: int = 16, merge_run: int = 1,
-                 min_capacity: int = 8, capacities: dict | None = None,
-                 engine: str = "auto") -> DcpTables:
+def build_descriptor_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], dcp: int,
+                            hq: int, *, params: "cw.Params | None" = None, tile: int = 128,
+                            rows_per_tile: int = 128, splits: Sequence[int] | None = None,
+                            num_comm_ctas: int = 16, merge_run: int = 1, min_capacity: int = 8,
+                            capacities: dict | None = None, engine: str = "auto") -> DcpTables:
     """Plans splits (critical-wave, unless ``splits`` is given) and packs the descriptor tables.
 
     Args:
@@ -224,8 +225,8 @@ def build_tables(history_lengths: Sequence[int], query_lengths: Sequence[int], d
     P, H = int(dcp), int(dcp) * int(hq)
     local = local_history_lengths(hist, P)
     tiles0 = -(-local[0] // tile)
-    qtt = max(1, rows_per_tile // H)
-    cqt = max(1, rows_per_tile // hq)
+    qtt = tile_query_tokens(rows_per_tile, H)
+    cqt = tile_query_tokens(rows_per_tile, hq)
     # Chunk-attention tasks (identical on every rank): KV tiles of each, in request order.
     c_cnt = -(-qlen // cqt)
     c_req, c_k = _ranges(c_cnt)
@@ -282,7 +283,7 @@ def _table_allocator(P, cap, requests=None):
 
 
 def _build_native(hist, qlen, P, hq, tile, rows_per_tile, num_comm_ctas, merge_run, params, cap):
-    """:func:`build_tables` with the planner (no fixed splits) in one compiled call
+    """:func:`build_descriptor_tables` with the planner (no fixed splits) in one compiled call
     (``_cw_step.c``): the same plan and tables as the step-by-step path, without its ~0.1 ms
     of Python around the compiled search and packer."""
     S = hist.size
@@ -296,8 +297,8 @@ def _build_native(hist, qlen, P, hq, tile, rows_per_tile, num_comm_ctas, merge_r
     tables = {name: a for (_, name), a in zip(_PACK_FIELDS, out)}
     H = P * hq
     return DcpTables(
-        dcp=P, hq=hq, heads=H, tile=tile, q_tile_tokens=max(1, rows_per_tile // H),
-        chunk_q_tile_tokens=max(1, rows_per_tile // hq), copy_run=int(plan.copy_run),
+        dcp=P, hq=hq, heads=H, tile=tile, q_tile_tokens=tile_query_tokens(rows_per_tile, H),
+        chunk_q_tile_tokens=tile_query_tokens(rows_per_tile, hq), copy_run=int(plan.copy_run),
         merge_run=merge_run, order=plan.order, num_epochs=int(num_epochs), plan=plan,
         num_requests=S, **{_COUNT_NAMES[k]: v for k, v in counts.items()},
         **dict(zip(_REQ_FIELDS, out[len(_PACK_FIELDS):])), **tables)

@@ -33,11 +33,25 @@ def member_chunks(member: int, group_size: int) -> tuple[int, int]:
     return member, 2 * group_size - 1 - member
 
 
+def ring_sender(device: int, group_size: int, step: int) -> int:
+    """The device whose section ``device`` holds at ring step ``step`` of its aligned size-``g``
+    group: member ``p`` receives member ``(p - step) mod g``'s (a member index when
+    ``device < g``).  ``step = -s`` gives the device ``device`` sends to at shift ``s``."""
+    g = int(group_size)
+    return (device // g) * g + (device % g - step) % g
+
+
+def section_offsets(section_tiles) -> tuple[int, ...]:
+    """First local tile of each section (sections are stored back to back in layout order)."""
+    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(section_tiles)[:-1]]))
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceLayout:
     """Where every token of a packed batch lives in the CP layout (host side, NumPy).
 
     Fields (``N`` devices, ``n_tiles`` tiles per device, ``B`` tokens per tile, ``T`` tokens):
+      tile_size: ``B``.
       tile_seq: ``[N, n_tiles]`` int32 sequence of each local tile, ``-1`` for unused capacity.
       tile_pos: ``[N, n_tiles]`` int32 position (within its sequence) of the tile's first token.
       tile_valid: ``[N, n_tiles]`` int32 tokens of the tile inside the sequence (``pos < L``), 0..B.
@@ -48,6 +62,7 @@ class DeviceLayout:
       chunk: ``(S,)`` int64 chunk tokens ``c`` per sequence.
     """
 
+    tile_size: int
     tile_seq: np.ndarray
     tile_pos: np.ndarray
     tile_valid: np.ndarray
@@ -59,7 +74,7 @@ class DeviceLayout:
 
     @property
     def section_offsets(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.section_tiles)[:-1]]))
+        return section_offsets(self.section_tiles)
 
 
 def build_layout(lengths, starts, sizes, num_devices: int, tile_size: int,
@@ -99,7 +114,7 @@ def build_layout(lengths, starts, sizes, num_devices: int, tile_size: int,
     shard_src = np.full((N, n_tiles * B), T, np.int64)
     unshard_src = np.zeros(T, np.int64)
     seq_off = np.concatenate([[0], np.cumsum(lengths)])
-    sec_off = dict(zip(sec_sizes, np.concatenate([[0], np.cumsum(sec_tiles)[:-1]]).astype(int)))
+    sec_off = dict(zip(sec_sizes, section_offsets(sec_tiles)))
     fill = {(g, d): 0 for g in sec_sizes for d in range(N)}
     for i in range(S):
         g, s, L, c = int(sizes[i]), int(starts[i]), int(lengths[i]), int(chunk[i])
@@ -119,5 +134,5 @@ def build_layout(lengths, starts, sizes, num_devices: int, tile_size: int,
                 shard_src[d, slot[ok]] = seq_off[i] + tok[ok]
                 unshard_src[seq_off[i] + tok[ok]] = d * n_tiles * B + slot[ok]
             fill[(g, d)] += 2 * nt
-    return DeviceLayout(tile_seq, tile_pos, tile_valid, sec_sizes, tuple(sec_tiles),
+    return DeviceLayout(B, tile_seq, tile_pos, tile_valid, sec_sizes, tuple(sec_tiles),
                         shard_src.reshape(-1).astype(np.int32), unshard_src.astype(np.int32), chunk)

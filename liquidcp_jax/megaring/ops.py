@@ -1,6 +1,6 @@
 """MegaRing's op (paper §4): ``megaring_attention`` runs a plan's tables under ``jit`` /
-``jax.shard_map`` with a ``jax.custom_vjp`` (backward per §4.1), on the XLA executor, the Pallas
-one-step path or the Pallas segment ring.
+``jax.shard_map`` with a ``jax.custom_vjp`` (backward per §4.1) on one of its backends
+(:data:`BACKENDS`): the XLA executor, the Pallas one-step path or the Pallas segment ring.
 
     plan = lcp.plan_megaring(lengths, mesh, axis_name="cp", placement="buddyring")
     q_cp, k_cp, v_cp = plan.shard(q), plan.shard(k), plan.shard(v)
@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from liquidcp_jax.backends import Backend, Registry
 from liquidcp_jax.executors import segment_ring as ring_exec
 from liquidcp_jax.executors import xla as xla_exec
 from liquidcp_jax.megaring.plan import MegaRingPlan, PlanStatic
 from liquidcp_jax.util import constrain as _constrain
 from liquidcp_jax.validation import check_qkv
+
 
 def _local(fn, static: PlanStatic, n_in: int, n_out: int):
     ax = static.axis_name
@@ -105,7 +108,7 @@ def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute
     interpreter, one device only) or ``"xla"`` (the portable twin, any mesh). ``config`` /
     ``bwd_config``: Pallas ``TuningConfig`` / ``BwdTuningConfig``. Returns ``[N * capacity, Hq, D]``.
     """
-    _check_inputs(q, k, v, plan, plan.static.causal)
+    check_inputs(q, k, v, plan, plan.static.causal)
     if not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a Python float (it is static in the kernels); got {type(scale).__name__}")
     if compute not in ring_exec.COMPUTES:
@@ -116,12 +119,13 @@ def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute
     spec = ring_exec.RingSpec(plan.static.exec_spec(float(scale)), compute, bool(interpret), config,
                               bwd_config)
     sh = plan.sharding
-    ring = tuple(_constrain(jnp.asarray(x), sh) for x in plan.ring_segments.arrays())
+    ring = tuple(_constrain(jnp.asarray(x), sh) for x in plan.ring_segments)
     q, k, v = (_constrain(x, sh) for x in (q, k, v))
     return _megaring_ring_jit(q, k, v, ring, plan.static, spec)
 
 
-def _check_inputs(q, k, v, plan: MegaRingPlan, causal: bool):
+def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool) -> int:
+    """Validates a call's ``q, k, v`` against ``plan`` and ``causal``; returns the head dim."""
     if not isinstance(plan, MegaRingPlan):
         raise ValueError(f"plan must be a MegaRingPlan from lcp.plan_megaring; got {type(plan).__name__}")
     T, hq, hkv, d = check_qkv(q, k, v)
@@ -145,17 +149,10 @@ def _check_inputs(q, k, v, plan: MegaRingPlan, causal: bool):
 
 def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = True,
                                 scale: float | None = None, backend: str = "auto"):
-    """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]`` f32."""
-    d = _check_inputs(q, k, v, plan, causal)
-    scale = d ** -0.5 if scale is None else float(scale)
-    if backend == "pallas":
-        raise ValueError('megaring_attention_with_lse: the Pallas kernels do not propagate LSE cotangents; '
-                         'use backend="xla" (or megaring_attention, which can use Pallas)')
-    _resolve_backend("xla" if backend == "auto" else backend, q, d, plan)
-    sh = plan.sharding
-    tables = tuple(_constrain(jnp.asarray(x), sh) for x in plan.tables.arrays())
-    q, k, v = (_constrain(x, sh) for x in (q, k, v))
-    return _megaring_xla_jit(q, k, v, tables, plan.static, scale)
+    """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]``
+    f32. Only the XLA executor propagates LSE cotangents, so ``"auto"`` means ``"xla"`` here."""
+    call = _call(q, k, v, plan, causal, scale, with_lse=True)
+    return BACKENDS.select(backend, call, auto=("xla",))[0].run(call)
 
 
 def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
@@ -168,21 +165,22 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scal
       plan: from :func:`plan_megaring` (pass it through ``jit`` as an argument).
       causal: must match the plan.
       scale: softmax scale, default ``1/sqrt(D)``.
-      backend: ``"auto"``, ``"xla"`` or ``"pallas"``. ``"pallas"``: the Mosaic GPU kernels (Hopper):
-        one call per device when every sequence is local (the one-step path), else the segment ring
+      backend: ``"auto"``, a name of :data:`BACKENDS` or ``"pallas"``. ``"xla"``: the portable
+        executor. ``"pallas"``: the Mosaic GPU kernels (Hopper): ``"pallas_one_step"`` (one call
+        per device) when every sequence is local, else ``"pallas_segment_ring"``
         (:func:`segment_ring_attention`: ``ppermute`` transfers, one kernel call per ring step).
         ``"auto"``: the one-step Pallas path where it can run, else the XLA executor (the segment
-        ring has not been run on several GPUs yet, so it is opt-in).
+        ring has not been run on several GPUs yet, so it is opt-in). A named backend that cannot
+        run raises ``ValueError`` saying why.
     Returns:
       ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
     """
-    d = _check_inputs(q, k, v, plan, causal)
-    if _resolve_backend(backend, q, d, plan) == "pallas":
-        scale = d ** -0.5 if scale is None else float(scale)
-        if plan.static.all_local:
-            return pallas_one_step(q, k, v, plan, scale=scale)
-        return segment_ring_attention(q, k, v, plan, scale=scale)
-    return megaring_attention_with_lse(q, k, v, plan, causal=causal, scale=scale, backend="xla")[0]
+    call = _call(q, k, v, plan, causal, scale, with_lse=False)
+    chosen, why = BACKENDS.select(backend, call)
+    if chosen.name == "xla" and backend == "auto" and any(
+            dev.platform == "gpu" for dev in plan.mesh.devices.flat):
+        warnings.warn(f"megaring_attention: using the XLA executor ({why})", stacklevel=2)
+    return chosen.run(call)
 
 
 def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: bool = False):
@@ -191,7 +189,7 @@ def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: boo
     from liquidcp_jax.pallas import api as pallas_api
     static = plan.static
     sh = plan.sharding
-    segs = tuple(_constrain(jnp.asarray(x), sh) for x in plan.segments)
+    segs = tuple(_constrain(jnp.asarray(x), sh) for x in plan.local_segments)
     q, k, v = (_constrain(x, sh) for x in (q, k, v))
     config, bwd_config = one_step_configs(plan)
 
@@ -212,28 +210,65 @@ def one_step_configs(plan: MegaRingPlan):
     from liquidcp_jax.pallas import heuristics
     from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
     static = plan.static
-    slots = int(plan.segments[0].shape[1])
+    slots = plan.local_segments.capacity
     persistent = heuristics.one_step_persistent(static.num_tokens, static.num_devices, slots)
     return pallas_api.TuningConfig(persistent=persistent), bwd_lib.BwdTuningConfig()
 
 
-def _resolve_backend(backend: str, q, head_dim: int, plan: MegaRingPlan) -> str:
-    """``"pallas"`` when it can run this call (and was asked for, or ``"auto"``), else ``"xla"``."""
-    if backend not in ("auto", "xla", "pallas"):
-        raise ValueError(f'backend must be "auto", "xla" or "pallas"; got {backend!r}')
-    if backend == "xla":
-        return "xla"
+class MegaRingCall(NamedTuple):
+    """A validated call of :func:`megaring_attention` (``with_lse``: of
+    :func:`megaring_attention_with_lse`), as the backends see it."""
+
+    q: Any
+    k: Any
+    v: Any
+    plan: MegaRingPlan
+    scale: float
+    with_lse: bool
+
+
+def _call(q, k, v, plan, causal, scale, *, with_lse: bool) -> MegaRingCall:
+    d = check_inputs(q, k, v, plan, causal)
+    return MegaRingCall(q, k, v, plan, d ** -0.5 if scale is None else float(scale), with_lse)
+
+
+def _run_xla(call: MegaRingCall):
+    plan = call.plan
+    sh = plan.sharding
+    tables = tuple(_constrain(jnp.asarray(x), sh) for x in plan.tables)
+    q, k, v = (_constrain(x, sh) for x in (call.q, call.k, call.v))
+    out, lse = _megaring_xla_jit(q, k, v, tables, plan.static, call.scale)
+    return (out, lse) if call.with_lse else out
+
+
+def _pallas_unsupported(call: MegaRingCall) -> str | None:
+    """Why the Mosaic GPU kernels cannot run this call (either Pallas backend)."""
+    if call.with_lse:
+        return ('the Pallas kernels do not propagate LSE cotangents; use backend="xla" (or '
+                'megaring_attention, which can use Pallas)')
     from liquidcp_jax.pallas import api as pallas_api
-    ok, why = pallas_api.is_supported(q.dtype, head_dim)
-    if backend == "pallas":
-        if not ok:
-            raise ValueError(f'backend="pallas" cannot run here: {why}')
-        return "pallas"
-    if ok and not plan.static.all_local:
-        ok, why = False, ('the Pallas segment ring (groups larger than one device) has not been run on '
-                          'several GPUs yet; pass backend="pallas" to use it')
-    if ok:
-        return "pallas"
-    if any(dev.platform == "gpu" for dev in plan.mesh.devices.flat):
-        warnings.warn(f"megaring_attention: using the XLA executor ({why})", stacklevel=3)
-    return "xla"
+    ok, why = pallas_api.is_supported(call.q.dtype, call.q.shape[-1])
+    return None if ok else why
+
+
+def _one_step_unsupported(call: MegaRingCall) -> str | None:
+    why = _pallas_unsupported(call)
+    if why is None and not call.plan.static.all_local:
+        # "auto" stops here for such plans: the segment ring below is opt-in.
+        why = ('the Pallas segment ring (groups larger than one device) has not been run on '
+               'several GPUs yet; pass backend="pallas" to use it (the one-step path needs every '
+               'sequence on one device)')
+    return why
+
+
+#: MegaRing's backends. ``"auto"``: the one-step Pallas path, else XLA (the segment ring only
+#: when named); ``"pallas"``: the one-step path for all-local plans, else the segment ring.
+BACKENDS = Registry("megaring_attention", [
+    Backend("xla", _run_xla),
+    Backend("pallas_one_step", lambda c: pallas_one_step(c.q, c.k, c.v, c.plan, scale=c.scale),
+            _one_step_unsupported),
+    Backend("pallas_segment_ring",
+            lambda c: segment_ring_attention(c.q, c.k, c.v, c.plan, scale=c.scale),
+            _pallas_unsupported),
+], auto=("pallas_one_step", "xla"),
+    aliases={"pallas": ("pallas_one_step", "pallas_segment_ring")})

@@ -1,13 +1,16 @@
 """MegaRing plans (host side): placement, zigzag layout, task tables and segments of a packed batch.
 
 ``plan_megaring`` places sequences in aligned CP groups (:mod:`liquidcp_jax.placement`), lays them
-out zigzag (:mod:`.layout`) and builds the executors' tables (:mod:`.tables`, :mod:`.segments`).
-A plan is a pytree whose leaves are fixed-capacity int32 tables: pass it as an argument of your
-jitted step and batches that land in the same capacity bucket reuse one compiled program.
+out zigzag (:mod:`.layout`) and builds the executors' tables (:mod:`.tables`,
+:mod:`.ring_segments`, :mod:`.local_segments`). A plan is a frozen dataclass pytree whose leaves
+are fixed-capacity int32 tables and whose static part (:class:`PlanStatic`) is its compile key:
+pass it as an argument of your jitted step and batches that land in the same capacity bucket
+reuse one compiled program.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -18,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from liquidcp_jax import placement as placement_lib
 from liquidcp_jax.executors import xla as xla_exec
 from liquidcp_jax.megaring.layout import build_layout
-from liquidcp_jax.megaring.segments import RingSegments, build_ring_segments, local_segments
-from liquidcp_jax.megaring.tables import MegaRingTables, SequenceInfo, build_tables
+from liquidcp_jax.megaring.local_segments import LocalSegments, build_local_segments
+from liquidcp_jax.megaring.ring_segments import RingSegments, build_ring_segments
+from liquidcp_jax.megaring.tables import (MASK_DIAG, MASK_FULL, MegaRingTables, SequenceInfo,
+                                          build_megaring_tables)
 from liquidcp_jax.util import constrain as _constrain
 from liquidcp_jax.validation import validate_lengths
 
@@ -51,45 +56,39 @@ class PlanStatic:
                                  int(self.memory_budget))
 
 
-@jax.tree_util.register_pytree_node_class
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("tables", "shard_src", "unshard_src", "local_segments",
+                                "ring_segments"),
+                   meta_fields=("static",), drop_fields=("placement", "sequences"))
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class MegaRingPlan:
-    """A MegaRing plan: static signature + task tables (+ host-only facts).
+    """A MegaRing plan: the static part (the compile key), int32 tables (the pytree's leaves) and
+    host-only facts (not part of the pytree: ``None`` after ``jit`` or ``jax.tree.map``).
 
-    Attributes:
+    Fields:
       static: ``PlanStatic`` (mesh, axis, tile size, section capacities, ...).
-      tables: ``MegaRingTables`` of int32 arrays with leading dim ``N`` (devices).
+      tables: ``MegaRingTables`` of int32 arrays with leading dim ``N`` (devices): the XLA
+        executor's task tables.
       shard_src: ``[N * capacity]`` int32 packed-token index feeding each CP slot (``T`` = padding).
       unshard_src: ``[T]`` int32 CP slot of each packed token.
-      segments: ``(seg_start [N, S_cap], seg_len [N, S_cap], seg_count [N, 1])`` int32: each device's
-        local sequences as contiguous rows of its shard (used when every group has size 1).
-      ring_segments: ``RingSegments`` (int32 ``[N, steps, K]`` arrays and an ``[N, steps]`` count): per
-        device and ring step, the step's Compute task as packed segments with positions (the Pallas
-        segment-ring executor).
-      placement: the ``placement_lib.Placement`` (host only; ``None`` inside ``jit``).
-      sequences: ``SequenceInfo`` with per-sequence chunk sizes and ``tau_min`` / ``tau_max`` (host only).
+      local_segments: ``LocalSegments`` (``[N, K]`` int32): each device's local sequences as
+        contiguous rows of its shard (the Pallas one-step path, when every group has size 1).
+      ring_segments: ``RingSegments`` (int32 ``[N, steps, K]`` arrays and an ``[N, steps]``
+        count): per device and ring step, the step's Compute task as packed segments with
+        positions (the Pallas segment-ring executor).
+      placement: the ``placement_lib.Placement`` (host only).
+      sequences: ``SequenceInfo`` with per-sequence chunk sizes and ``tau_min`` / ``tau_max``
+        (host only).
     """
 
-    def __init__(self, static: PlanStatic, tables: MegaRingTables, shard_src, unshard_src, segments,
-                 ring_segments: RingSegments, placement=None, sequences: SequenceInfo | None = None):
-        self.static = static
-        self.tables = tables
-        self.segments = segments
-        self.ring_segments = ring_segments
-        self.shard_src = shard_src
-        self.unshard_src = unshard_src
-        self.placement = placement
-        self.sequences = sequences
-
-    def tree_flatten(self):
-        return (self.tables.arrays() + (self.shard_src, self.unshard_src) + tuple(self.segments)
-                + self.ring_segments.arrays()), self.static
-
-    @classmethod
-    def tree_unflatten(cls, static, leaves):
-        n_ring = len(dataclasses.fields(RingSegments))
-        ring = RingSegments(*leaves[len(leaves) - n_ring:])
-        *tb, shard_src, unshard_src, s0, s1, s2 = leaves[:len(leaves) - n_ring]
-        return cls(static, MegaRingTables(*tb), shard_src, unshard_src, (s0, s1, s2), ring)
+    static: PlanStatic
+    tables: MegaRingTables
+    shard_src: Any
+    unshard_src: Any
+    local_segments: LocalSegments
+    ring_segments: RingSegments
+    placement: placement_lib.Placement | None = None
+    sequences: SequenceInfo | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -139,17 +138,14 @@ class MegaRingPlan:
         """Host: per-device ``tokens`` and causal ``attention`` work (valid (q, k) pairs)."""
         tb = self.tables
         tokens = np.asarray(tb.tile_valid).sum(axis=1)
-        B = self.static.tile_size
-        work = np.zeros(self.static.num_devices, np.int64)
         kind = np.asarray(tb.bwd_kind)
         val = np.asarray(tb.bwd_kv_valid)
         q = np.asarray(tb.bwd_q_tile)
         qv = np.take_along_axis(np.asarray(tb.tile_valid)[:, None, :].repeat(q.shape[1], 1),
                                 np.maximum(q, 0), axis=2)
-        full = (kind == 1) * qv * val
-        diag = (kind == 2) * (qv * (qv + 1) // 2)
+        full = (kind == MASK_FULL) * qv * val
+        diag = (kind == MASK_DIAG) * (qv * (qv + 1) // 2)
         work = (full + diag).reshape(self.static.num_devices, -1).sum(1)
-        del B
         return {"tokens": tokens, "attention": work}
 
     @property
@@ -159,7 +155,7 @@ class MegaRingPlan:
         return {"sections": dict(zip(s.section_sizes, s.section_tiles)),
                 "fwd_tasks": int(np.shape(self.tables.fwd_q_tile)[-1]),
                 "bwd_pairs": int(np.shape(self.tables.bwd_q_tile)[-1]),
-                "segments": max(int(np.shape(self.segments[0])[-1]), self.ring_segments.capacity)}
+                "segments": max(self.local_segments.capacity, self.ring_segments.capacity)}
 
     def __repr__(self):
         s = self.static
@@ -222,12 +218,14 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
     pl = _resolve_placement(placement, lengths, N)
     capacity = capacity or {}
     layout = build_layout(lengths, pl.starts, pl.sizes, N, tile_size, capacity.get("sections"))
-    tables, seqinfo, _slots, _caps = build_tables(layout, pl.starts, pl.sizes, lengths, causal=causal,
-                                                  task_tiles=task_tiles, min_caps=capacity)
+    tables, seqinfo, _slots, _caps = build_megaring_tables(layout, pl.starts, pl.sizes, lengths,
+                                                           causal=causal, task_tiles=task_tiles,
+                                                           min_caps=capacity)
     all_local = bool(np.all(pl.sizes == 1))
     static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
                         int(task_tiles), bool(causal), int(sum(lengths)), all_local, int(memory_budget))
     ring = build_ring_segments(layout, pl.starts, pl.sizes, lengths, causal=causal,
                                min_capacity=int(capacity.get("segments", 1)))
-    local = local_segments(layout, pl, int(capacity.get("segments", 1)))
+    local = build_local_segments(layout, pl.starts, pl.sizes, lengths,
+                                 min_capacity=int(capacity.get("segments", 1)))
     return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, local, ring, pl, seqinfo)

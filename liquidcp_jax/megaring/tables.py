@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from liquidcp_jax.megaring.layout import DeviceLayout
+from liquidcp_jax.megaring.layout import DeviceLayout, ring_sender, section_offsets
 from liquidcp_jax.util import pow2_bucket
 
 MASK_NONE, MASK_FULL, MASK_DIAG = 0, 1, 2
@@ -63,8 +64,7 @@ class SlotLayout:
         raise ValueError(f"section {group_size} does not travel at step {step}")
 
 
-@dataclasses.dataclass(frozen=True)
-class MegaRingTables:
+class MegaRingTables(NamedTuple):
     """Per-device task tables (``N`` devices, ``S`` ring steps).
 
     Fields:
@@ -93,9 +93,6 @@ class MegaRingTables:
     bwd_kind: np.ndarray
     bwd_kv_valid: np.ndarray
     bwd_count: np.ndarray
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +138,10 @@ def claim_tasks(arrivals: list[int], tau_min: int, tau_max: int) -> list[tuple[i
     return tasks
 
 
-def build_tables(layout: DeviceLayout, starts, sizes, lengths, *, causal: bool,
-                 task_tiles: int, min_caps: dict[str, int] | None = None):
-    """Builds ``(MegaRingTables, SequenceInfo, SlotLayout, caps)`` from a layout.
+def build_megaring_tables(layout: DeviceLayout, starts, sizes, lengths, *, causal: bool,
+                          task_tiles: int, min_caps: dict[str, int] | None = None):
+    """Builds the XLA executor's task tables, ``(MegaRingTables, SequenceInfo, SlotLayout, caps)``,
+    from a layout.
 
     ``caps`` is ``{"fwd_tasks": K, "bwd_pairs": P}`` (bucketed); ``min_caps``
     floors them.
@@ -151,8 +149,8 @@ def build_tables(layout: DeviceLayout, starts, sizes, lengths, *, causal: bool,
     starts = np.asarray(starts, np.int64)
     sizes = np.asarray(sizes, np.int64)
     lengths = np.asarray(lengths, np.int64)
-    N, n_tiles = layout.tile_seq.shape
-    B = int(layout.shard_src.shape[0] // (N * n_tiles))
+    N = layout.tile_seq.shape[0]
+    B = layout.tile_size
     sec_sizes, sec_tiles = layout.section_sizes, layout.section_tiles
     sec_off = dict(zip(sec_sizes, layout.section_offsets))
     slots = SlotLayout.build(sec_sizes, sec_tiles)
@@ -173,12 +171,10 @@ def build_tables(layout: DeviceLayout, starts, sizes, lengths, *, causal: bool,
             ntl = dict(zip(sec_sizes, sec_tiles))[g]
             q_idx = off + np.arange(ntl)
             q_seq = layout.tile_seq[d, q_idx]
-            member = d % g
-            gstart = d - member
             # Per step: the source member's section and the pair kinds.
             per_step = []
             for t in range(g):
-                src = gstart + (member - t) % g
+                src = ring_sender(d, g, t)
                 k_seq = layout.tile_seq[src, q_idx]
                 k_pos = layout.tile_pos[src, q_idx]
                 k_val = layout.tile_valid[src, q_idx]
@@ -247,13 +243,12 @@ def pool_sources(section_sizes, section_tiles, device: int) -> tuple[np.ndarray,
     size-``g`` group holds the section of member ``p - t``.
     """
     slots = SlotLayout.build(section_sizes, section_tiles)
-    sec_off = dict(zip(section_sizes, np.concatenate([[0], np.cumsum(section_tiles)[:-1]]).astype(int)))
+    sec_off = dict(zip(section_sizes, section_offsets(section_tiles)))
     ntl = dict(zip(section_sizes, section_tiles))
     dev, tile = [], []
     for t, secs in enumerate(slots.step_sections):
         for g in secs:
-            member = device % g
-            src = device - member + (member - t) % g
+            src = ring_sender(device, g, t)
             dev.append(np.full(ntl[g], src))
             tile.append(sec_off[g] + np.arange(ntl[g]))
     return np.concatenate(dev), np.concatenate(tile)

@@ -1,4 +1,5 @@
-"""Each ring step's Compute task as packed segments with token positions (host side, NumPy).
+"""Ring segments: each ring step's Compute task as packed segments with token positions (host side,
+NumPy).
 
 The segment-ring executor (:mod:`liquidcp_jax.executors.segment_ring`) runs one segment-attention
 call per ring step (the Pallas tile kernels on Hopper). This module says, per device and step,
@@ -33,16 +34,15 @@ whole pair at every step), are not balanced that way.
 """
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
-from liquidcp_jax.megaring.layout import DeviceLayout
+from liquidcp_jax.megaring.layout import DeviceLayout, ring_sender
 from liquidcp_jax.util import pow2_bucket
 
 
-@dataclasses.dataclass(frozen=True)
-class RingSegments:
+class RingSegments(NamedTuple):
     """Per device and ring step, the step's segments (``N`` devices, ``S`` steps = the largest
     group size, ``K`` segment slots = a power-of-two bucket of the most sequences on a device).
 
@@ -60,10 +60,6 @@ class RingSegments:
     kv_pos0: np.ndarray
     count: np.ndarray
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        # Not dataclasses.astuple: it deep-copies every leaf (a device copy per pytree flatten).
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
     @property
     def capacity(self) -> int:
         return int(self.q_start.shape[-1])
@@ -77,7 +73,7 @@ def step_segment(p: int, t: int, g: int, length: int, c: int, causal: bool):
     """Member ``p``'s segment at step ``t`` for one sequence (group size ``g``, chunk tokens
     ``c``), relative to the pair's offset: ``(q_off, q_len, kv_off, kv_len, q_pos0, kv_pos0)``,
     or ``None`` when it has no work."""
-    j = (p - t) % g
+    j = ring_sender(p, g, t)
     own = _valid(length, p, c) + _valid(length, 2 * g - 1 - p, c)
     theirs = _valid(length, j, c) + _valid(length, 2 * g - 1 - j, c)
     if t == 0 or not causal:
@@ -95,8 +91,8 @@ def build_ring_segments(layout: DeviceLayout, starts, sizes, lengths, *, causal:
     """Builds :class:`RingSegments` from a zigzag layout and its placement (groups ``(start,
     size)`` per sequence). ``min_capacity``: a floor for ``K`` (to pin a capacity bucket)."""
     starts, sizes, lengths = (np.asarray(a, np.int64) for a in (starts, sizes, lengths))
-    N, n_tiles = layout.tile_seq.shape
-    B = layout.shard_src.shape[0] // (N * n_tiles)
+    N = layout.tile_seq.shape[0]
+    B = layout.tile_size
     S = int(max(layout.section_sizes))
     per_dev = [[] for _ in range(N)]
     for i, (s, g) in enumerate(zip(starts, sizes)):
@@ -138,7 +134,7 @@ def receive_parts(section_sizes, section_tiles, tile_size: int, device: int, ste
     parts, off = [], 0
     for g, n in zip(section_sizes, section_tiles):
         if g > step:
-            src = (device // g) * g + (device % g - step) % g
+            src = ring_sender(device, g, step)
             parts.append((int(g), int(src), src * capacity + off + np.arange(n * B)))
         elif include_stale:
             parts.append((int(g), None, device * capacity + off + np.arange(n * B)))
@@ -152,7 +148,7 @@ def coverage(rs: RingSegments, layout: DeviceLayout, starts, sizes, lengths, *, 
     when causal) must be 1 and every other 0. Keys of step ``t`` on member ``p`` of a group are
     read from member ``(p - t) mod g``'s layout, as the ring delivers them."""
     N, n_tiles = layout.tile_seq.shape
-    B = layout.shard_src.shape[0] // (N * n_tiles)
+    B = layout.tile_size
     tok_seq = np.repeat(layout.tile_seq, B, axis=1)                       # [N, n_tiles * B]
     tok_pos = np.repeat(layout.tile_pos, B, axis=1) + np.tile(np.arange(B), n_tiles)[None]
     cnt = {i: np.zeros((int(L), int(L)), np.int64) for i, L in enumerate(lengths)}
@@ -160,7 +156,7 @@ def coverage(rs: RingSegments, layout: DeviceLayout, starts, sizes, lengths, *, 
     for d in range(N):
         for t in range(S):
             for n in range(int(rs.count[d, t])):
-                qs, ql, ks, kl, qp, kp = (int(a[d, t, n]) for a in rs.arrays()[:6])
+                qs, ql, ks, kl, qp, kp = (int(a[d, t, n]) for a in rs[:6])
                 qrow = np.arange(qs, qs + ql)
                 krow = np.arange(ks, ks + kl)
                 vis = np.ones((ql, kl), bool)
@@ -168,28 +164,9 @@ def coverage(rs: RingSegments, layout: DeviceLayout, starts, sizes, lengths, *, 
                     vis = (kp + np.arange(kl))[None, :] <= (qp + np.arange(ql))[:, None]
                 i = int(tok_seq[d, qs])
                 g = int(sizes[i])
-                src = int(starts[i]) + ((d - int(starts[i]) - t) % g)        # the sender
+                assert int(starts[i]) == d - d % g               # an aligned group
+                src = ring_sender(d, g, t)
                 assert np.all(tok_seq[d, qrow] == i) and np.all(tok_seq[src, krow] == i)
                 qi, ki = np.nonzero(vis)
                 np.add.at(cnt[i], (tok_pos[d, qrow[qi]], tok_pos[src, krow[ki]]), 1)
     return cnt
-
-
-def local_segments(layout, pl, min_capacity: int = 1):
-    """Per-device contiguous local sequences (size-1 groups keep chunks 0 and 1 adjacent)."""
-    N, n_tiles = layout.tile_seq.shape
-    B = layout.shard_src.shape[0] // (N * n_tiles)
-    rows = [[] for _ in range(N)]
-    for i, (g, L) in enumerate(zip(pl.groups, pl.lengths)):
-        if g.size == 1:
-            first = int(np.nonzero(layout.tile_seq[g.start] == i)[0][0])
-            rows[g.start].append((first * B, L))
-    cap = pow2_bucket(max(len(r) for r in rows), min_capacity)
-    start = np.zeros((N, cap), np.int32)
-    length = np.zeros((N, cap), np.int32)
-    count = np.zeros((N, 1), np.int32)
-    for d, r in enumerate(rows):
-        count[d, 0] = len(r)
-        for j, (a, L) in enumerate(r):
-            start[d, j], length[d, j] = a, L
-    return start, length, count
