@@ -1,190 +1,182 @@
-"""Backward breakdown on one GPU: where the dense causal backward's time goes (device-built task
-tables, the delta / LSE preparation, the dQ and dK/dV kernels alone under several ring depths and
-tile sizes, the whole two-kernel backward), the forward (plain grid vs persistent, vs cuDNN, timed
-round-robin), the fused dK/dV/dQ kernel, and the whole
-backward with and without ``named_barriers`` (round-robin). B=1, Hq=32, Hkv=8, D=128, bf16, causal.
+"""Backward breakdown on one GPU, dense causal S (Hq 32 / Hkv 8 / D 128, bf16): where the time goes.
 
-Each item: median wall-clock ms of ``--reps`` calls after two warm-up calls (a kernel timed alone
-includes one dispatch); TFLOP/s where the item has a FLOP count (dQ kernel 1.5x forward FLOPs, dK/dV
-2x, whole backward 2.5x, DESIGN.md). Prints a table and writes JSON (``--out``). Set
-``MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dir`` to keep ptxas' report per kernel.
+Parts (``--parts``, in this order):
+  tables   the task tables built on the device (forward / dQ order, reverse order)
+  prep     the delta / LSE preparation of the backward
+  dq       the dQ kernel alone at (block_kv_dq, ring slots) in DQ_SWEEP
+  dkv      the dK/dV kernel alone at the ring depths of DKV_SWEEP
+  bwd      the whole two-kernel backward
+  fwd_rr   forward variants (FWD_ROUND_ROBIN, ``benchmarks/variants.py``) and cuDNN, round-robin
+  bwd_rr   whole-backward variants (BWD_ROUND_ROBIN), round-robin
+  fused    the fused backward variants of FUSED, each timed alone
+Each item: median wall-clock ms of ``--reps`` calls after a compile and a warm-up call (a kernel
+timed alone includes one dispatch); TFLOP/s where the item has a FLOP count (dQ kernel 1.5x
+forward FLOPs, dK/dV 2x, whole backward 2.5x). Set ``MOSAIC_GPU_DUMP_PTXAS=1
+MOSAIC_GPU_DUMP_TO=dir`` to keep ptxas' report per kernel (``--parts bwd,fused --s 4096``).
 
-  python3 benchmarks/bwd_breakdown.py [--s 8192] [--reps 20] [--fused-variants | --fwd-only |
-                                      --fused-only | --bwd-interleaved]
-                                      [--out benchmarks/results/bwd_breakdown.json]
+  python -m benchmarks.bwd_breakdown [--s 8192] [--reps 20] [--parts tables,prep,dq,dkv,bwd,fwd_rr]
 """
+from __future__ import annotations
+
 import argparse
-import json
-import os
-import sys
-import time
 
-import numpy as np
-import jax
-import jax.numpy as jnp
+from benchmarks import attention as A
+from benchmarks import harness as H
+from benchmarks import variants as V
 
-sys.path.insert(0, os.getcwd())
-from liquidcp_jax.pallas import api  # noqa: E402
-from liquidcp_jax.pallas.common import LOG2E  # noqa: E402
-from liquidcp_jax.pallas import tables as tl  # noqa: E402
-from liquidcp_jax.pallas import tile_attention_bwd as bwd  # noqa: E402
-from liquidcp_jax.pallas import tile_attention_fwd as fwd  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import causal_fwd_flops, median_time, round_robin  # noqa: E402
-
-HQ, HKV, D = 32, 8, 128
+PARTS = ("tables", "prep", "dq", "dkv", "bwd", "fwd_rr", "bwd_rr", "fused")
+DEFAULT_PARTS = "tables,prep,dq,dkv,bwd,fwd_rr"
+DQ_SWEEP = ((128, 2), (64, 2), (64, 3), (64, 4))          # (block_kv_dq, max_concurrent_steps)
+DKV_SWEEP = (2, 3, 4)                                      # max_concurrent_steps
+FWD_ROUND_ROBIN = ("fwd_plain", "fwd_persistent", "fwd_plain_named_release",
+                   "fwd_persistent_named_release")
+BWD_ROUND_ROBIN = ("two_kernel_mbarrier", "two_kernel_named", "fused", "fused_named")
+FUSED = ("fused", "fused_mcs3")
 
 
-def timeit(f, *a, n):
-  """Median ms of ``n`` calls after a compile and a warm-up call (``kernels.median_time``)."""
-  return median_time(f, *a, n=n)[0] * 1e3
+class Breakdown:
+    """The inputs of one dense length and a measure function per part (rows of items)."""
+
+    def __init__(self, s: int, reps: int):
+        import jax
+        import jax.numpy as jnp
+        self.s, self.reps = s, reps
+        self.flops = A.causal_fwd_flops([s])
+        self.q, self.k, self.v, self.do = A.inputs(0, s)
+        self.seg = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, s, jnp.int32),
+                    jnp.int32(1))
+        self.out, self.lse = A.ours_fwd_lse()(self.q, self.k, self.v, *self.seg)
+        self.jax, self.jnp = jax, jnp
+
+    def row(self, item, ms, flops=None):
+        return {"item": item, "S": self.s, "ms": round(ms, 4),
+                **({"tflops": round(flops / ms / 1e9, 1)} if flops else {})}
+
+    def time(self, f, *args):
+        return H.time_fn(f, *args, reps=self.reps).median_ms
+
+    def round_robin(self, fns, flops):
+        got = H.time_round_robin({n: (f, args) for n, (f, args) in fns.items()}, 2 * self.reps)
+        return [self.row(f"{n} (round-robin)", t.median_ms, flops) if isinstance(t, H.Timing)
+                else {"item": f"{n} (round-robin)", "S": self.s, "error": H.error_text(t)}
+                for n, t in got.items()]
+
+    def _table(self, reverse, bkv):
+        from liquidcp_jax.pallas import tables as tl
+        z, s = self.jnp.zeros(1, self.jnp.int32), self.s
+        qs, ks, ln, ns = self.seg
+        if reverse:
+            return tl.build_task_table(ks, ln, qs, ln, z, z, ns, tq=s, tk=s, block_q=128,
+                                       block_kv=bkv, causal=True, reverse=True, xp=self.jnp)
+        return tl.build_task_table(qs, ln, ks, ln, z, z, ns, tq=s, tk=s, block_q=128, block_kv=bkv,
+                                   causal=True, xp=self.jnp)
+
+    def _prepped(self):
+        from liquidcp_jax.pallas import tile_attention_fwd as fwd
+        jnp = self.jnp
+
+        def prep(do, out, lse):
+            delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
+            lse2 = jnp.where(jnp.isfinite(lse), lse * fwd._LOG2E, jnp.inf).T
+            return delta, lse2
+        return self.jax.jit(prep)
+
+    def tables(self):
+        tab_f = self.jax.jit(lambda *sg: self._table(False, 128).table)
+        tab_r = self.jax.jit(lambda *sg: self._table(True, 64).table)
+        return [self.row("table fwd/dq (device build)", self.time(tab_f, *self.seg)),
+                self.row("table reverse (device build)", self.time(tab_r, *self.seg))]
+
+    def prep(self):
+        return [self.row("delta + lse2 prep", self.time(self._prepped(), self.do, self.out, self.lse))]
+
+    def _kernel_args(self):
+        delta, lse2 = self._prepped()(self.do, self.out, self.lse)
+        return (self.q, self.k, self.v, self.do, lse2, delta)
+
+    def dq(self):
+        from liquidcp_jax.pallas import tile_attention_bwd as bwd
+        args, rows = self._kernel_args(), []
+        for bkv, mcs in DQ_SWEEP:
+            c = bwd.BwdTuningConfig(block_kv_dq=bkv, max_concurrent_steps=mcs)
+            t = self._table(False, bkv)
+            f = self.jax.jit(lambda *x, c=c, t=t: bwd.dq_kernel_call(
+                *x, t.table, t.capacity, causal=True, sm_scale=A.SCALE, config=c))
+            rows.append(self.row(f"dq kernel alone bkv={bkv} mcs={mcs}", self.time(f, *args),
+                                 1.5 * self.flops))
+        return rows
+
+    def dkv(self):
+        from liquidcp_jax.pallas import tile_attention_bwd as bwd
+        args, tr, rows = self._kernel_args(), self._table(True, 64), []
+        for mcs in DKV_SWEEP:
+            c = bwd.BwdTuningConfig(max_concurrent_steps=mcs)
+            f = self.jax.jit(lambda *x, c=c: bwd.dkv_kernel_call(
+                *x, tr.table, tr.capacity, causal=True, sm_scale=A.SCALE, config=c))
+            rows.append(self.row(f"dkv kernel alone mcs={mcs}", self.time(f, *args), 2.0 * self.flops))
+        return rows
+
+    def _bwd_args(self):
+        return (self.q, self.k, self.v, self.out, self.lse, self.do, *self.seg)
+
+    def bwd(self):
+        f = A.ours_bwd(V.config("two_kernel"))
+        return [self.row("bwd two-kernel (full)", self.time(f, *self._bwd_args()), A.BWD * self.flops)]
+
+    def fwd_rr(self):
+        fns = {name: (A.ours_jitted(V.config(name))[0], (self.q, self.k, self.v, *self.seg))
+               for name in FWD_ROUND_ROBIN}
+        cud = A.dense_baselines("no tokamax")["cudnn"]
+        fns["fwd cudnn"] = (self.jax.jit(cud), (self.q, self.k, self.v))
+        return self.round_robin(fns, self.flops)
+
+    def bwd_rr(self):
+        return self.round_robin({name: (A.ours_bwd(V.config(name)), self._bwd_args())
+                                 for name in BWD_ROUND_ROBIN}, A.BWD * self.flops)
+
+    def fused(self):
+        rows = []
+        for name in FUSED:
+            try:
+                rows.append(self.row(f"bwd {name}", self.time(A.ours_bwd(V.config(name)),
+                                                              *self._bwd_args()), A.BWD * self.flops))
+            except Exception as e:  # noqa: BLE001 - e.g. a config over the SMEM budget
+                rows.append({"item": f"bwd {name}", "S": self.s, "error": H.error_text(e)})
+        return rows
 
 
-def interleaved(fns, args, n, flops, emit):
-  """Times ``fns`` ({name: f}) on the same ``args`` round-robin (2n rounds after two warm-ups each),
-  so clock drift hits all alike; emits "<name> (interleaved)" per function."""
-  for f in fns.values():
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-  med = round_robin([(nm, f, args) for nm, f in fns.items()], 2 * n)
-  for nm in fns:
-    emit(nm + " (interleaved)", med[nm] * 1e3, flops)
+def print_table(rows):
+    table = H.Table(("item", "<52"), ("ms", ">9.3f"), ("TFLOP/s", ">8.1f"))
+    print()
+    print(table.render([(r.get("item", r["case"])[:52], r.get("ms", "err" if "error" in r else "-"),
+                         r.get("tflops")) for r in rows]))
 
 
-def fwd_interleaved(q, k, v, seg, scale, flops, n, emit):
-  fns = {}
-  for pers in (False, True):
-    c = fwd.TuningConfig(persistent=pers)
-    fns[f"fwd persistent={pers}"] = jax.jit(
-        lambda q, k, v, *sg, c=c: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
-                                                       config=c)[0])
-  fns["fwd cudnn"] = jax.jit(lambda q, k, v, *sg: jax.nn.dot_product_attention(
-      q[None], k[None], v[None], scale=scale, is_causal=True, implementation="cudnn")[0])
-  interleaved(fns, (q, k, v, *seg), n, flops, emit)
-
-
-def bwd_interleaved(q, k, v, out, lse, do, seg, scale, flops, n, emit):
-  """The whole backward (2.5x forward FLOPs), two kernels vs fused pair, each with and without
-  ``named_barriers``, round-robin."""
-  fns = {}
-  for fused in (False, True):
-    for named in (False, True):
-      c = bwd.BwdTuningConfig(fused=fused, named_barriers=named)
-      fns[("bwd fused pair" if fused else "bwd two-kernel")
-          + (" named_barriers" if named else "")] = jax.jit(
-              lambda q, k, v, o, l, do, *sg, c=c: api.pallas_segment_attention_bwd(
-                  q, k, v, o, l, do, *sg, causal=True, sm_scale=scale, config=c))
-  interleaved(fns, (q, k, v, out, lse, do, *seg), n, 2.5 * flops, emit)
-
-
-def fused_variants(q, k, v, out, lse, do, seg, scale, flops, n, emit):
-  for mcs in (2, 3):
-    c = bwd.BwdTuningConfig(fused=True, max_concurrent_steps=mcs)
-    f = jax.jit(lambda q, k, v, o, l, do, *sg, c=c: api.pallas_segment_attention_bwd(
-        q, k, v, o, l, do, *sg, causal=True, sm_scale=scale, config=c))
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--s", type=int, default=8192, help="dense causal sequence length")
+    ap.add_argument("--parts", default=DEFAULT_PARTS, help=f"comma list of {PARTS}")
+    H.add_common_args(ap, H.latest("bwd_breakdown.json"), reps=20)
+    a = ap.parse_args(argv)
     try:
-      emit(f"bwd fused pair mcs={mcs}", timeit(f, q, k, v, out, lse, do, *seg, n=n), 2.5 * flops)
-    except Exception as e:  # noqa: BLE001
-      print(json.dumps({"item": f"fused mcs={mcs}", "error": str(e)[:400]}))
+        parts = H.parse_list(a.parts, allowed=PARTS, name="--parts")
+    except ValueError as e:
+        ap.error(str(e))
+    budget = H.Budget(a.budget_s)
+    report = H.Report("benchmarks.bwd_breakdown", a.out, argv, reps=a.reps, S=a.s)
+    made = []  # built by the first part, so that its failure (e.g. no GPU) is that part's error
 
-
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--s", type=int, default=8192)
-  ap.add_argument("--reps", type=int, default=20)
-  ap.add_argument("--fused-variants", action="store_true")
-  ap.add_argument("--fwd-only", action="store_true", help="only the interleaved forward timing")
-  ap.add_argument("--out", default="benchmarks/results/bwd_breakdown.json")
-  ap.add_argument("--fused-only", action="store_true",
-                  help="only the full backward: two kernels vs fused pair (mcs 2, 3)")
-  ap.add_argument("--bwd-interleaved", action="store_true",
-                  help="only the full backward, round-robin: two kernels vs fused pair, each "
-                       "with and without named_barriers")
-  a = ap.parse_args()
-  s, n = a.s, a.reps
-  ks = jax.random.split(jax.random.key(0), 4)
-  r = lambda k, sh: jax.random.normal(k, sh, jnp.bfloat16)
-  q, k, v, do = r(ks[0], (s, HQ, D)), r(ks[1], (s, HKV, D)), r(ks[2], (s, HKV, D)), r(ks[3], (s, HQ, D))
-  seg = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, s, jnp.int32), jnp.int32(1))
-  scale = 1.0 / np.sqrt(D)
-  flops = causal_fwd_flops([s])
-  rows = []
-
-  def emit(name, ms, fl=None):
-    rows.append({"item": name, "S": s, "ms": round(ms, 4),
-                 **({"tflops": round(fl / ms / 1e9, 1)} if fl else {})})
-    print(json.dumps(rows[-1]), flush=True)
-
-  try:
-    run(a, q, k, v, do, seg, scale, flops, n, emit)
-  finally:
-    print(f"\n{'item':52s} {'ms':>9s} {'TFLOP/s':>8s}")
-    for r in rows:
-      print(f"{r['item'][:52]:52s} {r['ms']:9.3f} {r.get('tflops', float('nan')):8.1f}")
-    meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "reps": n}
-    with open(a.out, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
-
-def run(a, q, k, v, do, seg, scale, flops, n, emit):
-  s = q.shape[0]
-
-  out, lse = jax.jit(lambda q, k, v, *sg: api.varlen_attention(
-      q, k, v, *sg, causal=True, sm_scale=scale))(q, k, v, *seg)
-  z = jnp.zeros(1, jnp.int32)
-  cfg = bwd.BwdTuningConfig(fused=False)
-  if a.fwd_only:
-    return fwd_interleaved(q, k, v, seg, scale, flops, n, emit)
-  if a.bwd_interleaved:
-    return bwd_interleaved(q, k, v, out, lse, do, seg, scale, flops, n, emit)
-
-  def build(qs, ksv, ln, ns, reverse, bkv):
-    if reverse:
-      return tl.build_task_table(ksv, ln, qs, ln, z, z, ns, tq=s, tk=s, block_q=128,
-                                 block_kv=bkv, causal=True, reverse=True, xp=jnp)
-    return tl.build_task_table(qs, ln, ksv, ln, z, z, ns, tq=s, tk=s, block_q=128, block_kv=bkv,
-                               causal=True, xp=jnp)
-
-  if a.fused_only:
-    full = jax.jit(lambda q, k, v, o, l, do, *sg: api.pallas_segment_attention_bwd(
-        q, k, v, o, l, do, *sg, causal=True, sm_scale=scale, config=cfg))
-    emit("bwd two-kernel (full)", timeit(full, q, k, v, out, lse, do, *seg, n=n), 2.5 * flops)
-    return fused_variants(q, k, v, out, lse, do, seg, scale, flops, n, emit)
-  tab_f = jax.jit(lambda *sg: build(*sg, False, 128).table)
-  tab_r = jax.jit(lambda *sg: build(*sg, True, 64).table)
-  emit("table fwd/dq (device build)", timeit(tab_f, *seg, n=n))
-  emit("table reverse (device build)", timeit(tab_r, *seg, n=n))
-  tr = build(*seg, True, 64)
-
-  def prep(do, out, lse):
-    delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
-    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf).T
-    return delta, lse2
-  prep_j = jax.jit(prep)
-  emit("delta + lse2 prep", timeit(prep_j, do, out, lse, n=n))
-  delta, lse2 = prep_j(do, out, lse)
-
-  args = (q, k, v, do, lse2, delta)
-  for bkv, mcs in ((128, 2), (64, 2), (64, 3), (64, 4)):
-    c = bwd.BwdTuningConfig(block_kv_dq=bkv, max_concurrent_steps=mcs)
-    tq_ = build(*seg, False, bkv)
-    dq_j = jax.jit(lambda *x, c=c, t=tq_: bwd.dq_kernel_call(*x, t.table, t.capacity, causal=True,
-                                                            sm_scale=scale, config=c))
-    emit(f"dq kernel alone bkv={bkv} mcs={mcs}", timeit(dq_j, *args, n=n), 1.5 * flops)
-  for mcs in (2, 3, 4):
-    c = bwd.BwdTuningConfig(max_concurrent_steps=mcs)
-    dkv_j = jax.jit(lambda *x, c=c: bwd.dkv_kernel_call(*x, tr.table, tr.capacity, causal=True,
-                                                       sm_scale=scale, config=c))
-    emit(f"dkv kernel alone mcs={mcs}", timeit(dkv_j, *args, n=n), 2.0 * flops)
-  full = jax.jit(lambda q, k, v, o, l, do, *sg: api.pallas_segment_attention_bwd(
-      q, k, v, o, l, do, *sg, causal=True, sm_scale=scale, config=cfg))
-  emit("bwd two-kernel (full)", timeit(full, q, k, v, out, lse, do, *seg, n=n), 2.5 * flops)
-  fwd_interleaved(q, k, v, seg, scale, flops, n, emit)
-  if a.fused_variants:
-    fused_variants(q, k, v, out, lse, do, seg, scale, flops, n, emit)
+    def measure(case):
+        if not made:
+            made.append(Breakdown(a.s, a.reps))
+        return getattr(made[0], case.name)()
+    try:
+        H.run([H.Case(p) for p in parts], measure, report, budget)
+    finally:
+        print_table(report.rows)
+        budget.log(f"wrote {a.out}")
+    return report.data
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -1,11 +1,11 @@
 """MegaRing under ``jax.distributed``: one process per device, XLA executor, forward+backward vs float64.
 
-    python benchmarks/distributed_check.py --num-processes 2 --platform cpu      # launcher (this CPU)
-    python benchmarks/distributed_check.py --num-processes 8 --platform gpu      # one process per GPU
+    python -m benchmarks.distributed_check --num-processes 2 --platform cpu      # launcher (this CPU)
+    python -m benchmarks.distributed_check --num-processes 8 --platform gpu      # one process per GPU
 
 The launcher (no JAX import) picks a free local port, starts ``--num-processes`` workers of this
-script with ``--worker``, sends each one's output to ``<out>/proc<i>.log`` and waits for all of them
-with ``--timeout-s`` (on timeout it kills the workers it started and fails).
+module with ``--worker``, sends each one's output to ``<log-dir>/proc<i>.log`` and waits for all of
+them with ``--timeout-s`` (on timeout it kills the workers it started and fails).
 
 Each worker: ``jax.distributed.initialize("127.0.0.1:<port>", num_processes, process_id)``; on CPU
 with ``JAX_PLATFORMS=cpu``, one CPU device per process and gloo collectives
@@ -14,7 +14,8 @@ the global mesh over every process's devices, plans a sampled packed batch with 
 its own shards of the CP-layout inputs from host data (identical on every process, same seed) with
 ``jax.make_array_from_callback``, runs ``megaring_attention`` (XLA executor) forward and backward
 under ``jit``, gathers out / dQ / dK / dV and process 0 checks them against the float64 reference
-(``multi_gpu_common.PackedCheck``) and writes ``<out>/distributed_check.json``.
+(``multi_gpu_common.PackedCheck``) and writes the report (``--out``, default
+``benchmarks/results/latest/distributed_check.json``).
 Exit status 0 only if every worker exited 0 and the check passed.
 """
 from __future__ import annotations
@@ -28,9 +29,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks import harness as H
 
 
 def parse_args(argv):
@@ -38,7 +37,8 @@ def parse_args(argv):
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--platform", default="cpu", choices=("cpu", "gpu"))
     ap.add_argument("--timeout-s", type=float, default=300.0, help="launcher: wall limit for all workers")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "distributed_check"))
+    ap.add_argument("--out", default=H.latest("distributed_check.json"), help="the JSON report")
+    ap.add_argument("--log-dir", default=None, help="workers' logs (default: <out>_logs/)")
     ap.add_argument("--dataset", default="pilecc")
     ap.add_argument("--tokens", default=None, help="batch token budget (default 1K on CPU, 16K on GPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -58,6 +58,7 @@ def parse_args(argv):
     if len(a.heads) != 3:
         raise ValueError(f"--heads must be Hq,Hkv,D; got {a.heads}")
     a.tile = a.tile or (128 if gpu else 16)
+    a.log_dir = a.log_dir or os.path.splitext(a.out)[0] + "_logs"
     return a
 
 
@@ -74,8 +75,8 @@ def _worker_env(args, i: int) -> dict:
     # One device per process: drop an inherited emulated-device flag (e.g. from tests/conftest.py).
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
-    root = os.path.join(HERE, "..")
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # The workers run this module with ``-m``: the repository root is their import root.
+    env["PYTHONPATH"] = H.ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if args.platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     else:
@@ -85,8 +86,8 @@ def _worker_env(args, i: int) -> dict:
 
 
 def launch(args, argv) -> int:
-    os.makedirs(args.out, exist_ok=True)
-    result = os.path.join(args.out, "distributed_check.json")
+    os.makedirs(args.log_dir, exist_ok=True)
+    result = args.out
     if os.path.exists(result):
         os.remove(result)
     coord = f"127.0.0.1:{_free_port()}"
@@ -94,14 +95,14 @@ def launch(args, argv) -> int:
     procs, logs = [], []
     t0 = time.perf_counter()
     for i in range(args.num_processes):
-        log = open(os.path.join(args.out, f"proc{i}.log"), "w")
-        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--worker", "--process-id", str(i),
-               "--coordinator", coord, "--out", args.out]
+        log = open(os.path.join(args.log_dir, f"proc{i}.log"), "w")
+        cmd = [sys.executable, "-m", "benchmarks.distributed_check", *passthrough, "--worker",
+               "--process-id", str(i), "--coordinator", coord, "--out", args.out]
         # A new session per worker: on timeout we kill exactly the process groups we started.
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(args, i),
-                                      start_new_session=True))
+                                      cwd=H.ROOT, start_new_session=True))
         logs.append(log)
-    print(f"launched {args.num_processes} {args.platform} workers (coordinator {coord}), logs in {args.out}",
+    print(f"launched {args.num_processes} {args.platform} workers (coordinator {coord}), logs in {args.log_dir}",
           flush=True)
     rcs = [None] * len(procs)
     timed_out = False
@@ -133,14 +134,14 @@ def launch(args, argv) -> int:
           f"wall {wall:.1f} s; check {'OK' if ok else 'FAILED or missing'} ({result})", flush=True)
     if not ok or any(rcs):
         for i in range(len(procs)):
-            with open(os.path.join(args.out, f"proc{i}.log")) as f:
+            with open(os.path.join(args.log_dir, f"proc{i}.log")) as f:
                 tail = f.read()[-3000:]
             print(f"--- proc{i}.log (tail) ---\n{tail}", flush=True)
     if os.path.exists(result):
         d = json.load(open(result))
         d.update(launcher={"exit_codes": rcs, "timed_out": timed_out, "wall_s": wall})
-        with open(result, "w") as f:
-            json.dump(d, f, indent=1)
+        d["meta"]["argv"] = list(argv)  # the launcher's command line, not a worker's
+        H.write_json(result, d)
     return 0 if ok and not any(rcs) else 1
 
 
@@ -158,7 +159,7 @@ def worker(args) -> int:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import liquidcp_jax as lcp
-    import multi_gpu_common as C
+    from benchmarks import multi_gpu_common as C
     from liquidcp_jax.workloads import sample_batch
 
     me = jax.process_index()
@@ -210,16 +211,15 @@ def worker(args) -> int:
         pad[unshard] = False
         ok = bool(max(errs.values()) < C.TOL[args.dtype] and np.all(got[0][pad] == 0)
                   and all(np.all(np.isfinite(g)) for g in got))
-        res_json = {"script": "benchmarks/distributed_check.py", "ok": ok, "errors": errs,
-                    "threshold": C.TOL[args.dtype], "check": check.what, "env": C.env_info(),
+        res_json = {"meta": H.meta("benchmarks.distributed_check", args.argv), "ok": ok, "errors": errs,
+                    "threshold": C.TOL[args.dtype], "check": check.what,
                     "processes": jax.process_count(), "global_devices": N,
                     "collectives": "gloo" if args.platform == "cpu" else "nccl",
                     "batch": {"dataset": args.dataset, "tokens": T, "sequences": len(lengths),
                               "group_sizes": sorted({g.size for g in plan.placement.groups})},
                     "shape": {"hq": hq, "hkv": hkv, "head_dim": d, "tile": args.tile, "dtype": args.dtype},
                     "first_call_s": t_first, "second_call_ms": t_second * 1e3}
-        with open(os.path.join(args.out, "distributed_check.json"), "w") as fh:
-            json.dump(res_json, fh, indent=1)
+        H.write_json(args.out, res_json)
         log(f"errors vs float64 ({check.what}): " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
             + f" (threshold {C.TOL[args.dtype]:g}) -> {'OK' if ok else 'FAILED'}")
     from jax.experimental import multihost_utils
@@ -239,6 +239,7 @@ class _null:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    args.argv = argv
     if args.worker:
         return worker(args)
     return launch(args, argv)

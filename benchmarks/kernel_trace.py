@@ -1,37 +1,35 @@
 """Device-side timing from a profiler trace: how long each implementation keeps the GPU busy per
 call, and which kernels that time goes to (ours vs cuDNN vs tokamax, dense causal; ours vs
-cuDNN's packed layout on packed batches).
+cuDNN's packed layout on packed and uniform-length batches).
 
 Wall-clock timing (``kernels.py``, ``bwd_breakdown.py``) includes dispatch and host sync and moved
-5-10 % between calls in one session (RESULTS.md). Here each implementation is traced on its own with
+5-10 % between calls in one session. Here each implementation is traced on its own with
 ``jax.profiler.trace`` and the trace is read back with ``jax.profiler.ProfileData``: per call, the
 sum of the GPU kernel durations and the device span of the call (kernels plus the launch gaps
 between them: the "XLA Modules" line where the trace has one, else the kernels' merged intervals
 with the host syncs between calls taken out, see ``call_spans_ns``). The kernel table shows, e.g.,
 what our task-table builds and LSE gather cost next to the attention kernel itself.
 
-  python3 benchmarks/kernel_trace.py [--dense 8K,32K] [--packed pilecc,freelaw --tokens 64K]
-                                     [--uniform 4K,6K,8K --tokens 64K] [--reps 10] [--bwd] [--variants [NAMES]] [--rounds 1]
-                                     [--out benchmarks/results/kernel_trace.json]
+  python -m benchmarks.kernel_trace [--dense 8K,32K] [--packed pilecc,freelaw --tokens 64K]
+      [--uniform 4K,6K,8K --tokens 64K] [--reps 10] [--bwd] [--variants [NAMES]] [--rounds 1]
+      [--budget-s S] [--out PATH]
 
 Prints a table and writes JSON (including the plane and line names seen, so a trace format this
-script does not expect is visible in its output). B=1, Hq 32 / Hkv 8 / D 128, bf16, causal; FLOPs as
-DESIGN.md (fwd Σ 4·L²·D·Hq/2 over the sequences, fwd+bwd 3.5×).
+script does not expect is visible in its output). Shapes, inputs and FLOPs as ``kernels.py``
+(``benchmarks/attention.py``); ``--variants`` names come from ``benchmarks/variants.py``.
 """
 import argparse
 import collections
 import glob
 import json
 import os
-import sys
 import tempfile
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.getcwd())
-
-D = 128  # as kernels.py, whose _inputs these cases use
+from benchmarks import attention as A
+from benchmarks import harness as H
+from benchmarks import variants as V
 
 
 def call_spans_ns(intervals, n_calls):
@@ -107,70 +105,31 @@ def trace_calls(f, args, n, **summarize_kw):
   return summarize(max(files, key=os.path.getmtime), n, **summarize_kw)
 
 
-# Named configurations of ours that ``--variants`` can trace: name -> (pass, config fields). "fwd"
-# variants change the forward (traced alone and, with --bwd, with the default backward); "bwd"
-# variants change only the backward (traced as fwd+bwd).
-VARIANTS = {
-    # The forward's two kernels forced (the default picks by tokens per segment slot,
-    # TuningConfig.use_persistent).
-    "fwd_plain": ("fwd", {"persistent": False}),
-    "fwd_persistent": ("fwd", {"persistent": True}),
-    "fwd_bkv64": ("fwd", {"block_kv": 64}),
-    "fwd_mcs3": ("fwd", {"max_concurrent_steps": 3}),
-    "two_kernel": ("bwd", {"fused": False}),
-    "fused": ("bwd", {"fused": True}),
-    "named_barriers": ("bwd", {"named_barriers": True}),  # on the two kernels by default
-    "mbarrier_bwd": ("bwd", {"named_barriers": False}),
-    "mcs3": ("bwd", {"max_concurrent_steps": 3}),
-    "mcs4": ("bwd", {"max_concurrent_steps": 4}),
-    "mcs3_named": ("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
-    "dq128": ("bwd", {"block_kv_dq": 128}),
-}
-DEFAULT_VARIANTS = "two_kernel,fused,mbarrier_bwd"
+DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"
 
 
-def parse_variants(spec):
-  """Comma list of :data:`VARIANTS` names ('' for none) -> list of names; ValueError naming the
-  unknown one and the known ones."""
-  names = [x.strip() for x in (spec or "").split(",") if x.strip()]
-  for n in names:
-    if n not in VARIANTS:
-      raise ValueError(f"--variants: unknown variant {n!r}; expected a comma list of "
-                       f"{sorted(VARIANTS)}")
-  return names
-
-
-def implementations(scale, seg, bwd, variants, baselines):
+def implementations(seg, bwd, variants, baselines):
   """{label: (jitted f, args after q, k, v, takes do, FLOP multiplier)}: forward f(q, k, v,
-  *rest) and, with ``bwd``, forward+backward f(q, k, v, do, *rest) (``kernels._loss_grad``);
-  ``variants``: names of :data:`VARIANTS`; ``baselines`` {name: f(q, k, v)} (rest = ()), ours
-  takes the segment arrays ``seg``."""
+  *rest) and, with ``bwd``, forward+backward f(q, k, v, do, *rest) (``attention.loss_grad``);
+  ``variants``: names of ``benchmarks/variants.py``; ``baselines`` {name: f(q, k, v)} (rest = ()),
+  ours takes the segment arrays ``seg``."""
   import jax
-  import kernels
-  from liquidcp_jax.pallas import api
-  from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
-
-  def ours(cfg=None, bcfg=None):
-    return lambda q, k, v, *sg: api.varlen_attention(q, k, v, *sg, causal=True, sm_scale=scale,
-                                                     config=cfg, bwd_config=bcfg)[0]
-
-  fwds = {"ours": (ours(), seg)}
+  fwds = {"ours": (A.ours(), seg)}
   for name, f in baselines.items():
     fwds[name] = (f, ())
   bwd_only = set()
   for name in variants:
-    kind, fields = VARIANTS[name]
-    if kind == "fwd":
-      fwds[f"ours {name}"] = (ours(api.TuningConfig(**fields)), seg)
+    if V.VARIANTS[name].kind == "fwd":
+      fwds[f"ours {name}"] = (A.ours(*V.configs(name)), seg)
     else:
-      fwds[f"ours bwd {name}"] = (ours(None, bwd_lib.BwdTuningConfig(**fields)), seg)
+      fwds[f"ours bwd {name}"] = (A.ours(*V.configs(name)), seg)
       bwd_only.add(f"ours bwd {name}")
   out = {}
   for name, (f, rest) in fwds.items():
     if name not in bwd_only:  # same forward as "ours"
       out[f"{name} fwd"] = (jax.jit(f), rest, False, 1.0)
     if bwd:
-      out[f"{name} fwd+bwd"] = (kernels._loss_grad(f), rest, True, 3.5)
+      out[f"{name} fwd+bwd"] = (A.loss_grad(f), rest, True, A.FWDBWD)
   return out
 
 
@@ -211,98 +170,92 @@ def trace_rounds(impls, run, rounds, label=""):
   return per_round, errors
 
 
-def uniform_lengths(tokens, length):
-  """``tokens`` packed as sequences of ``length`` (the remainder, if any, as one shorter last
-  sequence): int64 [ceil(tokens / length)]. For scanning where the fused backward starts to win
-  (``pallas.heuristics.FUSED_FROM_TOKENS_PER_SEGMENT``)."""
-  if not 0 < length <= tokens:
-    raise ValueError(f"--uniform: a length must be in [1, {tokens}] (the token count), got {length}")
-  n, rest = divmod(tokens, length)
-  return np.array([length] * n + ([rest] if rest else []), np.int64)
-
-
-def cases(a):
-  """[(label, lengths, baselines)]: dense S (cuDNN, tokamax where it imports), packed batches
+def cases(a) -> list[H.Case]:
+  """Dense S (baselines cuDNN and tokamax where it imports), packed batches
   (``workloads.sample_batch(dataset, tokens, 0)``, as kernels.py) and uniform-length batches
-  (:func:`uniform_lengths`), both with cuDNN's packed layout."""
-  import kernels
-  from liquidcp_jax import workloads
-  scale = 1.0 / np.sqrt(D)
+  (``attention.uniform_lengths``), both with cuDNN's packed layout."""
+  from liquidcp_jax.workloads import parse_tokens
   out = []
-  tk = kernels.import_tokamax()
-  if isinstance(tk, str):
-    print(json.dumps({"tokamax": f"unavailable: {tk[:200]}"}))
-  for s in (workloads.parse_tokens(x) for x in a.dense.split(",") if x):
-    out.append((f"dense {s // 1024}K", np.array([s]), kernels.dense_baselines(scale, tk)))
-  for t in (workloads.parse_tokens(x) for x in a.tokens.split(",") if a.packed and x):
-    for ds in a.packed.split(","):
-      lens = workloads.sample_batch(ds, t, 0).astype(np.int64)
-      out.append((f"{ds} {t // 1024}K", lens, {"cudnn_packed": kernels.cudnn_packed(lens, scale)}))
-  for t in (workloads.parse_tokens(x) for x in a.tokens.split(",") if a.uniform and x):
-    for ln in (workloads.parse_tokens(x) for x in a.uniform.split(",") if x):
-      lens = uniform_lengths(t, ln)
-      out.append((f"u{ln}x{len(lens)} {t // 1024}K", lens,
-                  {"cudnn_packed": kernels.cudnn_packed(lens, scale)}))
+  for s in (parse_tokens(x) for x in H.parse_list(a.dense)):
+    out.append(H.Case(f"dense {A.tokens_label(s)}", {"lens": (s,), "baselines": "dense"}))
+  tokens = [parse_tokens(x) for x in H.parse_list(a.tokens)]
+  for t in tokens:
+    for ds in H.parse_list(a.packed):
+      out.append(H.Case(f"{ds} {A.tokens_label(t)}", {"lens": tuple(A.batch_lengths(ds, t).tolist()),
+                                               "baselines": "packed"}))
+  for t in tokens:
+    for ln in (parse_tokens(x) for x in H.parse_list(a.uniform)):
+      lens = A.uniform_lengths(t, ln)
+      out.append(H.Case(f"u{ln}x{len(lens)} {A.tokens_label(t)}", {"lens": tuple(lens.tolist()),
+                                                             "baselines": "packed"}))
   return out
 
 
-def main():
-  ap = argparse.ArgumentParser()
+def measure(case: H.Case, a, variants, tokamax) -> list[dict]:
+  """Every implementation of one case traced ``a.rounds`` times round-robin: one row each."""
+  lens = np.asarray(case["lens"], np.int64)
+  t = int(lens.sum())
+  baselines = (A.dense_baselines(tokamax) if case["baselines"] == "dense"
+               else {"cudnn_packed": A.cudnn_packed(lens)})
+  seg = A.seg_arrays(lens)
+  q, k, v, do = A.case_inputs(lens)  # the inputs kernels.py times
+  flops = A.causal_fwd_flops(lens)
+  impls = implementations(seg, a.bwd, variants, baselines)
+  run = lambda f, rest, with_do: trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest), a.reps)
+  per_round, errors = trace_rounds(impls, run, a.rounds, case.name)
+  rows = []
+  for name, (f, rest, with_do, mult) in impls.items():
+    if name in errors:  # rows stay in implementation order; an error drops the whole impl
+      rows.append({"case": case.name, "impl": name, **errors[name]})
+      continue
+    res = median_rounds(per_round[name])
+    tf = lambda ms: round(mult * flops / ms / 1e9, 1) if ms else None
+    rows.append({"case": case.name, "T": t, "num_seqs": len(lens), "impl": name,
+                 "span_ms": None if res["span_ms"] is None else round(res["span_ms"], 4),
+                 "kernel_ms": round(res["kernel_ms"], 4),
+                 "tflops_span": tf(res["span_ms"]), "tflops_kernels": tf(res["kernel_ms"]),
+                 "span_ms_rounds": res["span_ms_rounds"],
+                 "kernel_ms_rounds": res["kernel_ms_rounds"],
+                 "top_kernels": res["kernels"][:8], "planes": res["planes"]})
+  return rows
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--dense", default="8K,32K", help="dense causal lengths ('' for none)")
   ap.add_argument("--packed", default="", help="datasets of packed batches, e.g. pilecc,freelaw")
   ap.add_argument("--tokens", default="64K", help="token counts of the packed batches")
   ap.add_argument("--uniform", default="",
                   help="sequence lengths of uniform packed batches of --tokens tokens, e.g. 4K,6K")
-  ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--bwd", action="store_true", help="also trace forward+backward")
   ap.add_argument("--variants", nargs="?", const=DEFAULT_VARIANTS, default="",
-                  help="comma list of named configs of ours to trace too (" + ", ".join(VARIANTS)
-                       + "); bare --variants: " + DEFAULT_VARIANTS)
+                  help="comma list of named configs of ours to trace too (benchmarks/variants.py); "
+                       "bare --variants: " + DEFAULT_VARIANTS)
   ap.add_argument("--rounds", type=int, default=1,
                   help="trace every implementation of a case this many times, round-robin, and "
                        "report the median (drift between implementations traced minutes apart "
-                       "moved identical configs by up to 2.4 %% in run t)")
-  ap.add_argument("--out", default="benchmarks/results/kernel_trace.json")
-  a = ap.parse_args()
+                       "moved identical configs by up to 2.4 %%)")
+  H.add_common_args(ap, H.latest("kernel_trace.json"), reps=10)
+  a = ap.parse_args(argv)
   if a.rounds < 1:
     ap.error(f"--rounds must be >= 1, got {a.rounds}")
   try:
-    variants = parse_variants(a.variants)
+    a.variant_names = V.parse(a.variants)
   except ValueError as e:
     ap.error(str(e))
-  import jax
-  import kernels
-  rows = []
-  for label, lens, baselines in cases(a):
-    t = int(lens.sum())
-    seg = kernels.seg_arrays(lens, kernels.seg_capacity(len(lens)))
-    # The seeds kernels.py's dense and packed cases use, so the inputs are the same.
-    q, k, v, do = kernels._inputs(t if len(lens) == 1 else t + len(lens), t)
-    flops = kernels.causal_fwd_flops(lens)
-    impls = implementations(1.0 / np.sqrt(D), seg, a.bwd, variants, baselines)
-    run = lambda f, rest, with_do: trace_calls(f, (q, k, v, *((do,) if with_do else ()), *rest),
-                                               a.reps)
-    per_round, errors = trace_rounds(impls, run, a.rounds, label)
-    for name, (f, rest, with_do, mult) in impls.items():
-      if name in errors:  # rows stay in implementation order; an error drops the whole impl
-        rows.append({"case": label, "impl": name, **errors[name]})
-        continue
-      res = median_rounds(per_round[name])
-      tf = lambda ms: round(mult * flops / ms / 1e9, 1) if ms else None
-      rows.append({"case": label, "T": t, "num_seqs": len(lens), "impl": name,
-                   "span_ms": None if res["span_ms"] is None else round(res["span_ms"], 4),
-                   "kernel_ms": round(res["kernel_ms"], 4),
-                   "tflops_span": tf(res["span_ms"]), "tflops_kernels": tf(res["kernel_ms"]),
-                   "span_ms_rounds": res["span_ms_rounds"],
-                   "kernel_ms_rounds": res["kernel_ms_rounds"],
-                   "top_kernels": res["kernels"][:8], "planes": res["planes"]})
-      print(json.dumps({k: v for k, v in rows[-1].items() if k != "planes"}), flush=True)
-  print_table(rows)
-  meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-          "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "reps": a.reps,
-          "rounds": a.rounds}
-  with open(a.out, "w") as fh:
-    json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+  return a
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  tokamax = A.import_tokamax()
+  budget = H.Budget(a.budget_s)
+  report = H.Report("benchmarks.kernel_trace", a.out, argv, quiet=("planes",), reps=a.reps, rounds=a.rounds,
+                    tokamax=tokamax if isinstance(tokamax, str) else "ok")
+  H.run(cases(a), lambda c: measure(c, a, a.variant_names, tokamax), report, budget)
+  print_table(report.rows)
+  budget.log(f"wrote {a.out}")
+  return report.data
 
 
 def print_table(rows):
@@ -312,10 +265,11 @@ def print_table(rows):
   print(f"\n{'case':13s} {'impl':34s} {'span ms':>9s} {'kern ms':>9s} {'TF span':>8s} "
         f"{'TF kern':>8s} {'/cuDNN':>7s} {'spread':>6s}  top kernel")
   ref = {(r["case"], r["impl"].rsplit(" ", 1)[1]): r for r in rows
-         if "error" not in r and r["impl"].split(" ")[0] in ("cudnn", "cudnn_packed")}
+         if "error" not in r and "impl" in r and r["impl"].split(" ")[0] in ("cudnn", "cudnn_packed")}
   for r in rows:
-    if "error" in r:
-      print(f"{r['case'][:13]:13s} {r['impl'][:34]:34s} error: {r['error'][:60]}")
+    if "error" in r or "skipped" in r:
+      print(f"{r['case'][:13]:13s} {r.get('impl', '-')[:34]:34s} "
+            f"{'error: ' + r['error'][:60] if 'error' in r else 'skipped: ' + r['skipped']}")
       continue
     top = r["top_kernels"][0] if r["top_kernels"] else ("-", 0, 0)
     base = ref.get((r["case"], r["impl"].rsplit(" ", 1)[1]))

@@ -1,107 +1,95 @@
-"""MegaRing on one GPU (every sequence local): XLA executor vs the Pallas one-step path.
+"""MegaRing on one GPU (every sequence local): the public API's Pallas one-step path vs the XLA executor.
 
-    python benchmarks/megaring_single_gpu.py [--cases pilecc:64K,freelaw:64K,arxiv:128K]
-        [--backends pallas,xla] [--iters 10] [--xla-iters 3] [--budget-s 400]
-        [--out benchmarks/results/megaring_single_gpu.json]
+    python -m benchmarks.megaring_single_gpu [--cases pilecc:64K,freelaw:64K,arxiv:128K]
+        [--backends pallas,xla] [--reps 10] [--xla-reps 3] [--budget-s 400] [--out PATH]
 
-Packed batches from the training samplers, causal, Hq=32, Hkv=8, D=128, bf16. Effective TFLOP/s with
-DESIGN.md's convention (forward sum 4*D*Hq*L^2/2, backward 2.5x forward), wall-clock median of
-``--iters`` calls (``--xla-iters`` for the XLA executor, which runs each step's tasks in
-memory-bounded chunks, default ``memory_budget``). The JSON is rewritten after every row, and no new
-case starts once the run is ``--budget-s`` old (a started one runs to the end), so an outer time
-limit keeps what finished.
+``megaring_attention(..., backend=...)`` on a one-device mesh, packed batches from the training
+samplers (seed 0), causal, Hq 32 / Hkv 8 / D 128, bf16. Effective TFLOP/s with DESIGN.md's
+convention (``benchmarks/attention.py``); wall-clock median of ``--reps`` calls (``--xla-reps`` for
+the XLA executor, which runs each step's tasks in memory-bounded chunks, default
+``memory_budget``). On a CPU the Pallas rows record their error and the XLA executor runs
+(``--cases pilecc:2K`` for a smoke run).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import liquidcp_jax as lcp
-from liquidcp_jax.workloads import sample_batch
+from benchmarks import attention as A
+from benchmarks import harness as H
+
+BACKENDS = ("pallas", "xla")
 
 
-def _median_ms(f, *args, iters=10):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts) * 1e3)
+def cases(spec: str) -> list[H.Case]:
+    """``"pilecc:64K,arxiv:128K"`` -> one case per sampled batch."""
+    out = []
+    for item in H.parse_list(spec):
+        ds, tok = item.split(":")
+        out.append(H.Case(f"{ds} {tok}", {"dataset": ds, "tokens": tok}))
+    return out
+
+
+def measure(case: H.Case, a, mesh) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import liquidcp_jax as lcp
+    lengths = A.batch_lengths(case["dataset"], case["tokens"]).tolist()
+    t, flops = sum(lengths), A.causal_fwd_flops(lengths)
+    plan = lcp.plan_megaring(lengths, mesh, placement="all_cp")
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((t, h, A.D)), jnp.bfloat16) for h in (A.HQ, A.HKV, A.HKV))
+    qs, ks, vs = plan.shard(q), plan.shard(k), plan.shard(v)
+    rows = []
+    for backend in a.backends:
+        reps = a.reps if backend == "pallas" else a.xla_reps
+        attn = lambda q, k, v, p, b=backend: lcp.megaring_attention(q, k, v, p, backend=b)
+        fwd = jax.jit(attn)
+        fb = jax.jit(jax.grad(lambda *x: jnp.sum(attn(*x).astype(jnp.float32)), argnums=(0, 1, 2)))
+        row = {"case": case.name, "backend": backend, "num_seqs": len(lengths), "tokens": t, "reps": reps}
+        try:
+            tf = H.time_fn(fwd, qs, ks, vs, plan, reps=reps)
+            tfb = H.time_fn(fb, qs, ks, vs, plan, reps=reps)
+        except Exception as e:  # noqa: BLE001 - reported, e.g. the XLA executor running out of memory
+            rows.append({**row, "error": H.error_text(e, 300)})
+            continue
+        rows.append({**row, "fwd_ms": round(tf.median_ms, 3), "fwd_tflops": A.tflops(flops, tf.median_s),
+                     "fwdbwd_ms": round(tfb.median_ms, 3),
+                     "fwdbwd_tflops": A.tflops(A.FWDBWD * flops, tfb.median_s)})
+    return rows
+
+
+TABLE = H.Table(("case", "<14"), ("seqs", ">5"), ("backend", ">7"), ("fwd ms", ">9.2f"),
+                ("fwd TF/s", ">9.1f"), ("fwd+bwd ms", ">11.2f"), ("f+b TF/s", ">9.1f"))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/megaring_single_gpu.json")
-    ap.add_argument("--cases", default="pilecc:64K,freelaw:64K,arxiv:128K")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="pilecc:64K,freelaw:64K,arxiv:128K",
+                    help="comma list of dataset:tokens")
     ap.add_argument("--backends", default="pallas,xla")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--xla-iters", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=400.0)
-    args = ap.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
-    for b in backends:
-        if b not in ("pallas", "xla"):
-            ap.error(f"--backends: expected a comma list of pallas, xla; got {b!r}")
-    if args.iters < 1 or args.xla_iters < 1:
-        ap.error("--iters and --xla-iters must be >= 1")
-    t_start = time.perf_counter()
+    ap.add_argument("--xla-reps", type=int, default=3)
+    H.add_common_args(ap, H.latest("megaring_single_gpu.json"), budget_s=400.0, reps=10)
+    a = ap.parse_args(argv)
+    try:
+        a.backends = H.parse_list(a.backends, allowed=BACKENDS, name="--backends")
+        todo = cases(a.cases)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.reps < 1 or a.xla_reps < 1:
+        ap.error("--reps and --xla-reps must be >= 1")
+    import jax
+    budget = H.Budget(a.budget_s)
+    report = H.Report("benchmarks.megaring_single_gpu", a.out, argv)
     mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-    rows = []
-
-    def save():
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                       "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:] if argv is None else argv,
-                       "rows": rows}, f, indent=1)
-
-    print(f"{'case':<14} {'seqs':>5} {'backend':>7} {'fwd ms':>9} {'fwd TF/s':>9} {'fwd+bwd ms':>11} {'f+b TF/s':>9}")
-    for case in args.cases.split(","):
-        if time.perf_counter() - t_start > args.budget_s:  # no new case once the budget is spent
-            print(f"{case:<14} skipped: --budget-s {args.budget_s:.0f} spent")
-            rows.extend({"case": case, "backend": b, "skipped": "budget"} for b in backends)
-            save()
-            continue
-        ds, tok = case.split(":")
-        lengths = [int(x) for x in sample_batch(ds, tok, 0)]
-        T = sum(lengths)
-        fl = sum(4 * 128 * 32 * L * L / 2 for L in lengths)
-        plan = lcp.plan_megaring(lengths, mesh, placement="all_cp")
-        rng = np.random.default_rng(0)
-        q = jnp.asarray(rng.standard_normal((T, 32, 128)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((T, 8, 128)), jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((T, 8, 128)), jnp.bfloat16)
-        qs, ks, vs = plan.shard(q), plan.shard(k), plan.shard(v)
-        for backend in backends:
-            iters = args.iters if backend == "pallas" else args.xla_iters
-            fwd = jax.jit(lambda q, k, v, p, b=backend: lcp.megaring_attention(q, k, v, p, backend=b))
-            fb = jax.jit(jax.grad(lambda q, k, v, p, b=backend: jnp.sum(
-                lcp.megaring_attention(q, k, v, p, backend=b).astype(jnp.float32)), argnums=(0, 1, 2)))
-            try:
-                t_f = _median_ms(fwd, qs, ks, vs, plan, iters=iters)
-                t_fb = _median_ms(fb, qs, ks, vs, plan, iters=iters)
-            except Exception as e:  # report, don't hide: e.g. the XLA executor running out of memory
-                print(f"{case:<14} {len(lengths):>5} {backend:>7} failed: {type(e).__name__}: {str(e)[:120]}")
-                rows.append({"case": case, "backend": backend, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                save()
-                continue
-            r = {"case": case, "backend": backend, "num_seqs": len(lengths), "tokens": T, "iters": iters,
-                 "fwd_ms": t_f, "fwd_tflops": fl / t_f / 1e9, "fwdbwd_ms": t_fb,
-                 "fwdbwd_tflops": 3.5 * fl / t_fb / 1e9}
-            rows.append(r)
-            save()
-            print(f"{case:<14} {len(lengths):>5} {backend:>7} {t_f:>9.2f} {r['fwd_tflops']:>9.1f} {t_fb:>11.2f} "
-                  f"{r['fwdbwd_tflops']:>9.1f}", flush=True)
-    save()
-    print("wrote", args.out)
+    H.run(todo, lambda c: measure(c, a, mesh), report, budget)
+    print(TABLE.render([(r["case"], r.get("num_seqs"), r.get("backend", "-"),
+                         *((r["fwd_ms"], r["fwd_tflops"], r["fwdbwd_ms"], r["fwdbwd_tflops"])
+                           if "fwd_ms" in r else ("err" if "error" in r else "skipped",) + (None,) * 3))
+                        for r in report.rows]))
+    budget.log(f"wrote {a.out}")
+    return report.data
 
 
 if __name__ == "__main__":

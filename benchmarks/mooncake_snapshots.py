@@ -4,24 +4,18 @@ Replays the Mooncake FAST'25 conversation trace (``shared/data/mooncake/``, or t
 generator when absent) with ``liquidcp_jax.workloads.mooncake`` at arrival-rate scales 1x/2x/4x,
 samples 100 snapshots per scale between 300 and 3,600 s of trace time, and prints Table 3's
 columns next to the paper's values, plus the builder's wall time. Writes
-``benchmarks/results/mooncake_snapshots.json`` (statistics and every snapshot's batch).
+``benchmarks/results/latest/mooncake_snapshots.json`` (one row of statistics per scale, and every
+snapshot's batch, which ``multi_gpu_megadcp.py`` replays).
 
-    .venv/bin/python benchmarks/mooncake_snapshots.py [--trace conversation] [--snapshots 100] [--seed 0]
+    python -m benchmarks.mooncake_snapshots [--trace conversation] [--snapshots 100] [--seed 0]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 
-import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from liquidcp_jax.workloads import mooncake as mc  # noqa: E402
+from benchmarks import harness as H
+from liquidcp_jax.workloads import mooncake as mc
 
 #: Table 3 of the paper: D/M snapshots, decode req per D batch, decode per M batch, chunk
 #: prefills per M batch, decode KV history, prefill KV history, prefill chunk.
@@ -39,8 +33,7 @@ def main(argv=None):
     ap.add_argument("--snapshots", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", default="4096", help="prefill token budget per step, or 'none'")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "mooncake_snapshots.json"))
+    ap.add_argument("--out", default=H.latest("mooncake_snapshots.json"))
     args = ap.parse_args(argv)
     budget = None if args.budget.lower() == "none" else int(args.budget)
 
@@ -49,45 +42,41 @@ def main(argv=None):
     t_load = time.perf_counter() - t0
     print(f"trace: {trace.source} ({len(trace)} requests, loaded in {t_load:.2f} s); "
           f"prefill budget {budget} tokens/step, seed {args.seed}")
-    rows, dump = [], []
-    hdr = ("scale | D/M | dec req/D | dec/M | chunks/M | dec hist | pre hist | chunk | "
-           "max hist | query tok/batch | build s")
-    print(hdr)
-    for scale in (1, 2, 4):
+    report = H.Report("benchmarks.mooncake_snapshots", args.out, argv, devices=False, echo=False,
+                      indent=None, trace=trace.source, requests=len(trace), prefill_token_budget=budget,
+                      seed=args.seed, paper_table3={str(k): dict(zip(KEYS, v)) for k, v in PAPER.items()},
+                      snapshots=[])
+    print("scale | D/M | dec req/D | dec/M | chunks/M | dec hist | pre hist | chunk | "
+          "max hist | query tok/batch | build s")
+
+    def measure(case):
+        scale = case["scale"]
         t0 = time.perf_counter()
         snaps = mc.build_snapshots(trace, scale, num_snapshots=args.snapshots, seed=args.seed,
                                    prefill_token_budget=budget)
-        dt = time.perf_counter() - t0
         st = mc.snapshot_stats(snaps)
-        st.update(scale=scale, build_seconds=dt)
-        rows.append(st)
+        st.update(scale=scale, build_seconds=time.perf_counter() - t0)
         p = PAPER[scale]
         print(f"{scale}x ours | {st['snapshots_decode']}/{st['snapshots_mixed']} | "
               f"{st['decode_requests_per_decode_batch']:.2f} | {st['decode_requests_per_mixed_batch']:.2f} | "
               f"{st['prefill_chunks_per_mixed_batch']:.2f} | {st['decode_history_mean']:.0f} | "
               f"{st['prefill_history_mean']:.0f} | {st['prefill_chunk_mean']:.0f} | "
-              f"{st['decode_history_max']} | {st['query_tokens_mean']:.0f} | {dt:.2f}")
+              f"{st['decode_history_max']} | {st['query_tokens_mean']:.0f} | {st['build_seconds']:.2f}")
         print(f"{scale}x paper | {p[0]}/{p[1]} | {p[2]:.2f} | {p[3]:.2f} | {p[4]:.2f} | {p[5]} | "
               f"{p[6]} | {p[7]} | - | - | -")
-        for s in snaps:
-            dump.append({"scale": scale, "t_ms": s.t_ms, "kind": s.kind,
-                         "request_ids": s.request_ids.tolist(),
-                         "history_lengths": s.history_lengths.tolist(),
-                         "query_lengths": s.query_lengths.tolist()})
+        report.data["snapshots"] += [
+            {"scale": scale, "t_ms": s.t_ms, "kind": s.kind, "request_ids": s.request_ids.tolist(),
+             "history_lengths": s.history_lengths.tolist(), "query_lengths": s.query_lengths.tolist()}
+            for s in snaps]
+        return st
+    H.run([H.Case(f"{s}x", {"scale": s}) for s in (1, 2, 4)], measure, report, H.Budget(), log=False)
     t0 = time.perf_counter()
     full = mc.replay(trace, 4.0, seed=args.seed, prefill_token_budget=budget)
     t_full = time.perf_counter() - t0
     print(f"full replay of the trace at 4x ({full.horizon_step} steps of 20 ms): {t_full:.2f} s")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"command": " ".join(["benchmarks/mooncake_snapshots.py"] + (argv or sys.argv[1:])),
-                   "trace": trace.source, "requests": len(trace), "prefill_token_budget": budget,
-                   "seed": args.seed, "platform": platform.platform(),
-                   "python": platform.python_version(), "numpy": np.__version__,
-                   "full_replay_4x_seconds": t_full, "stats": rows,
-                   "paper_table3": {str(k): dict(zip(KEYS, v)) for k, v in PAPER.items()},
-                   "snapshots": dump}, f)
+    report.update(full_replay_4x_seconds=t_full)
     print(f"wrote {args.out}")
+    return report.data
 
 
 if __name__ == "__main__":

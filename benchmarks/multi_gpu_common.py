@@ -1,6 +1,6 @@
 """Helpers shared by the multi-GPU scripts (``multi_gpu_megaring.py``, ``multi_gpu_megadcp.py``,
-``distributed_check.py``): device set-up, global arrays built from host data, timing, float64 checks,
-and the run's report (JSON file, progress log, text table).
+``distributed_check.py``): device set-up, global arrays built from host data, float64 checks.
+Timing, budget, report and table come from ``benchmarks/harness.py``.
 
 Every array that enters a timed program is built with ``jax.make_array_from_callback`` from host
 NumPy data, so the same code runs on one host (single process, emulated CPU mesh or GPUs) and under
@@ -9,12 +9,8 @@ NumPy data, so the same code runs on one host (single process, emulated CPU mesh
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import re
-import sys
-import time
 
 import numpy as np
 
@@ -77,35 +73,11 @@ def random_array(rng: np.random.Generator, shape, dtype_name: str) -> np.ndarray
     return round_to(rng.standard_normal(shape, dtype=np.float32), dtype_name)
 
 
-def time_call(fn, *args, warmup: int = 3, iters: int = 10, max_seconds: float = 20.0) -> dict:
-    """Median wall time (ms) of ``fn(*args)`` after ``warmup`` calls (the first compiles).
-
-    On one host the jitted step returns when its slowest device finishes, so this is the slowest
-    rank's time. ``iters`` shrinks (to >= 3) when calls are long, to bound the time spent here.
-    """
-    import jax
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    one = first
-    for _ in range(max(0, warmup - 1)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        one = time.perf_counter() - t0
-    n = int(max(3, min(iters, max_seconds // max(one, 1e-6))))
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    ts = np.asarray(ts) * 1e3
-    return {"median_ms": float(np.median(ts)), "min_ms": float(ts.min()), "max_ms": float(ts.max()),
-            "iters": n, "warmup": max(1, warmup), "first_call_s": first}
-
-
 def timing(args) -> dict:
-    """:func:`time_call` keyword arguments from a script's ``--warmup / --iters / --max-time-per-call``."""
-    return {"warmup": args.warmup, "iters": args.iters, "max_seconds": args.max_time_per_call}
+    """``harness.time_fn`` keyword arguments from a script's ``--warmup / --iters /
+    --max-time-per-call``: on one host the jitted step returns when its slowest device finishes,
+    so this times the slowest rank; ``reps`` shrinks (to >= 3) when calls are long."""
+    return {"warmup": args.warmup, "reps": args.iters, "max_seconds": args.max_time_per_call}
 
 
 def matmul_precision(dtype_name: str):
@@ -140,109 +112,6 @@ def rel_error(x, ref) -> float:
 def fmt(x) -> str:
     """A ratio for a log line: two decimals, ``n/a`` for ``None``."""
     return "n/a" if x is None else f"{x:.2f}"
-
-
-# ----------------------------------------------------------------------------- the run's report
-
-def new_report(script: str, argv, **fields) -> dict:
-    """The JSON report's opening keys: ``script``, its ``argv`` (``None``: the command line), ``env``,
-    then ``fields`` in order."""
-    return {"script": script, "argv": list(argv if argv is not None else sys.argv[1:]), "env": env_info(),
-            **fields}
-
-
-def finish_report(path: str, report: dict, *, summary: dict, ok: bool, budget: "Budget") -> None:
-    """Adds ``summary``, ``ok`` and ``elapsed_s`` to ``report`` and writes it to ``path``."""
-    report["summary"] = summary
-    report["ok"] = bool(ok)
-    report["elapsed_s"] = budget.elapsed()
-    write_json(path, report)
-
-
-def write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=_jsonable)
-    os.replace(tmp, path)   # a run killed mid-write leaves the previous complete file
-
-
-def _jsonable(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
-def env_info() -> dict:
-    import platform
-
-    import jax
-    devs = jax.devices()
-    return {"jax": jax.__version__, "platform": devs[0].platform, "device_kind": devs[0].device_kind,
-            "device_count": len(devs), "process_count": jax.process_count(), "host": platform.node(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-class Budget:
-    """Wall-clock budget of a run: ``left()`` seconds remain; ``over()`` once spent."""
-
-    def __init__(self, seconds: float | None):
-        self.t0 = time.perf_counter()
-        self.seconds = seconds
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def left(self) -> float:
-        return float("inf") if self.seconds is None else self.seconds - self.elapsed()
-
-    def over(self) -> bool:
-        return self.left() <= 0
-
-    def log(self, msg: str) -> None:
-        """A progress line stamped with the seconds since the run began (flushed: runs are watched live)."""
-        print(f"[{self.elapsed():7.1f}s] {msg}", flush=True)
-
-    def stop_before(self, what: str, report: dict) -> bool:
-        """``True`` once the budget is spent, after logging it and noting ``what`` was not started
-        in ``report["stopped_early"]``."""
-        if not self.over():
-            return False
-        self.log(f"budget of {self.seconds} s spent: stopping before {what}")
-        report["stopped_early"] = f"budget spent before {what}"
-        return True
-
-
-class Table:
-    """A fixed-width text table whose cells are joined by one space.
-
-    Args:
-      columns: ``(title, format spec)`` or ``(title, format spec, suffix)`` each, e.g.
-        ``("fwd ms", ">9.2f")`` or ``("scale", ">4", "x")``; the spec starts with an alignment and
-        a width, and the column is that width plus the suffix's.
-    A string cell (a name, or a placeholder such as ``"-"`` or ``"skipped"``) fills the whole
-    column with the spec's alignment; any other cell is formatted with the spec, then the suffix.
-    """
-
-    def __init__(self, *columns):
-        self.columns = []
-        for title, spec, *suffix in columns:
-            align, width = re.match(r"([<>^]?)(\d+)", spec).groups()
-            suffix = suffix[0] if suffix else ""
-            self.columns.append((title, spec, suffix, f"{align}{int(width) + len(suffix)}"))
-
-    def header(self) -> str:
-        return " ".join(format(title, whole) for title, _, _, whole in self.columns)
-
-    def row(self, *cells) -> str:
-        if len(cells) != len(self.columns):
-            raise ValueError(f"{len(cells)} cells for {len(self.columns)} columns")
-        return " ".join(format(c, whole) if isinstance(c, str) else format(c, spec) + suffix
-                        for c, (_, spec, suffix, whole) in zip(cells, self.columns))
 
 
 # ----------------------------------------------------------------------------- packed-batch checks

@@ -1,10 +1,10 @@
 """MegaDCP vs the stage-serialized DCP baselines on Mooncake-derived snapshots (paper §7.1, Figure 10).
 
-    python benchmarks/multi_gpu_megadcp.py [--degrees 2,4,8] [--per-group 2] [--budget-s 500]
-    python benchmarks/multi_gpu_megadcp.py --tiny          # CPU smoke run on 8 emulated devices
+    python -m benchmarks.multi_gpu_megadcp [--degrees 2,4,8] [--per-group 2] [--budget-s 500]
+    python -m benchmarks.multi_gpu_megadcp --tiny          # CPU smoke run on 8 emulated devices
 
 Snapshots: decode-only and mixed batches at arrival-rate scales 1x/2x/4x, read from
-``benchmarks/results/mooncake_snapshots.json`` (300 snapshots of the Mooncake FAST'25 conversation
+``benchmarks/results/latest/mooncake_snapshots.json`` (300 snapshots of the Mooncake FAST'25 conversation
 trace written by ``benchmarks/mooncake_snapshots.py``), or rebuilt from the trace when that file is
 absent. Each snapshot is replayed at DCP degrees ``P`` = 2, 4, 8 on a sub-mesh of the first ``P``
 devices, with ``hq = 4`` query heads per rank (``Hq = 4P``, one KV head per group, D = 128: the
@@ -20,28 +20,25 @@ paper's 32 query heads at TP 8), bf16.
    the fastest baseline. Geometric means per kind sit next to the paper's 1.20x decode-only /
    1.35x mixed (8 H100s, CUDA-graph FA3 baselines; ours are the XLA executors of this package).
 
-The JSON (``--out``) is rewritten after every snapshot and degree. Exit status 1 if a check failed.
+The JSON (``--out``; one row per snapshot and degree) is rewritten after every row. Exit status 1 if
+a check failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import multi_gpu_common as C  # noqa: E402
+from benchmarks import harness as H
+from benchmarks import multi_gpu_common as C
 
 METHODS = ("megadcp", "vllm_ag_rs", "vllm_a2a", "sglang_ag_ar")
 PAPER = {"decode": 1.20, "mixed": 1.35}
-HERE = os.path.dirname(os.path.abspath(__file__))
 FULL_CHECK = 2 ** 27   # sum_r q_r * (h_r + q_r) * Hq up to which the whole batch is checked densely
-TABLE = C.Table(("snap", ">4"), ("scale", ">4", "x"), ("kind", "<6"), ("P", ">2"), ("req", ">4"), ("Tq", ">6"),
+TABLE = H.Table(("snap", ">4"), ("scale", ">4", "x"), ("kind", "<6"), ("P", ">2"), ("req", ">4"), ("Tq", ">6"),
                 ("hist", ">8"), *((m, ">10.3f", " ms") for m in METHODS), ("speedup", ">7.2f", "x"))
 
 
@@ -50,7 +47,7 @@ def parse_args(argv):
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke sizes: snapshots cut to 4 requests, lengths / 64, hq 2, D 32, tile 16, f32")
     ap.add_argument("--cpu", action="store_true", help="force the emulated 8-device CPU mesh")
-    ap.add_argument("--snapshots-json", default=os.path.join(HERE, "results", "mooncake_snapshots.json"))
+    ap.add_argument("--snapshots-json", default=H.latest("mooncake_snapshots.json"))
     ap.add_argument("--scales", default="1,2,4")
     ap.add_argument("--kinds", default="decode,mixed")
     ap.add_argument("--per-group", type=int, default=1, help="snapshots per (scale, kind)")
@@ -82,7 +79,7 @@ def parse_args(argv):
     a.dtype = a.dtype or ("float32" if t else "bfloat16")
     if t:
         a.warmup, a.iters = min(a.warmup, 1), min(a.iters, 3)
-    a.out = a.out or os.path.join(HERE, "results", "multi_gpu_megadcp_tiny.json" if t else "multi_gpu_megadcp.json")
+    a.out = a.out or H.latest("multi_gpu_megadcp_tiny.json" if t else "multi_gpu_megadcp.json")
     if set(a.methods) - set(METHODS) or "megadcp" not in a.methods:
         raise ValueError(f"--methods must include megadcp and be among {METHODS}; got {a.methods}")
     if set(a.kinds) - {"decode", "mixed"}:
@@ -201,7 +198,7 @@ def main(argv=None) -> dict:
     from liquidcp_jax.baselines import dcp as B
     from liquidcp_jax.megadcp import critical_wave as cw
 
-    budget = C.Budget(args.budget_s)
+    budget = H.Budget(args.budget_s)
     log = budget.log
     devs = C.devices(None, force_cpu=args.cpu or args.tiny)
     if max(args.degrees) > len(devs):
@@ -212,85 +209,94 @@ def main(argv=None) -> dict:
         params = cw.Params(num_ctas=args.num_ctas, rho=0.75, delta_attn=4, delta_red=4, gamma=1.0)
     snaps, source = load_snapshots(args)
     order = select(snaps, args)
-    out = C.new_report("benchmarks/multi_gpu_megadcp.py", argv, snapshots_source=source, dtype=args.dtype,
-                       shape={"hq_per_rank": args.hq, "head_dim": args.head_dim, "tile": args.tile,
-                              "num_ctas": args.num_ctas},
-                       thresholds=C.TOL, paper_speedups=PAPER, cases=[])
+    report = H.Report("benchmarks.multi_gpu_megadcp", args.out, argv, echo=False, snapshots_source=source,
+                      dtype=args.dtype, shape={"hq_per_rank": args.hq, "head_dim": args.head_dim,
+                                               "tile": args.tile, "num_ctas": args.num_ctas},
+                      thresholds=C.TOL, paper_speedups=PAPER)
     log(f"{len(devs)} x {devs[0].platform} ({devs[0].device_kind}), jax {jax.__version__}; {len(order)} snapshots "
         f"from {source}; degrees {args.degrees}; {args.dtype}, hq {args.hq}/rank, D {args.head_dim}")
-    ok = True
     Hmax = args.hq * max(args.degrees)
     D = args.head_dim
     rng = np.random.default_rng(args.seed + 1)
-    stop = False
-    for si, snap in enumerate(order):
-        if stop:
-            break
-        hist = [int(x) for x in snap["history_lengths"]]
-        qlen = [int(x) for x in snap["query_lengths"]]
-        Tq, Th = sum(qlen), sum(hist)
-        t0 = time.perf_counter()
-        arrs = [C.random_array(rng, s, args.dtype) for s in ((Tq, Hmax, D), (Tq, 1, D), (Tq, 1, D), (Th, 1, D), (Th, 1, D))]
-        rows, refo, what = (None, None, "not checked") if args.no_check else make_reference(arrs, hist, qlen, args, rng)
-        t_ref = time.perf_counter() - t0
-        log(f"snapshot {si}: {snap['scale']}x {snap['kind']}, {len(hist)} requests, {Tq} query / {Th} history "
-            f"tokens (longest {max(hist)}); reference {what} ({t_ref:.1f} s)")
-        for Pn in args.degrees:
-            if budget.stop_before(f"snapshot {si} P={Pn}", out):
-                stop = True
-                break
-            mesh = jax.make_mesh((Pn,), ("dcp",), devices=devs[:Pn])
-            rep = NamedSharding(mesh, P())
-            Hq = args.hq * Pn
-            kw = dict(num_q_heads=Hq, head_dim=D, tile=args.tile, params=params)
+    prepared = {}
+
+    def prepare(si):
+        """The snapshot's host arrays and float64 reference, shared by its degrees."""
+        if si not in prepared:
+            prepared.clear()
+            snap = order[si]
+            hist = [int(x) for x in snap["history_lengths"]]
+            qlen = [int(x) for x in snap["query_lengths"]]
+            Tq, Th = sum(qlen), sum(hist)
             t0 = time.perf_counter()
-            plans = {"megadcp": lcp.plan_megadcp(hist, qlen, mesh, "dcp", **kw)}
-            t_plan = time.perf_counter() - t0
-            base = B.plan_dcp_baseline(hist, qlen, mesh, "dcp", **kw)
-            fl = dcp_flops(hist, qlen, Hq, D)
-            case = {"snapshot": si, "scale": snap["scale"], "kind": snap["kind"], "t_ms": snap.get("t_ms"),
-                    "dcp": Pn, "requests": len(hist), "query_tokens": Tq, "history_tokens": Th,
-                    "longest_history": max(hist), "check": what, "flops": fl, "plan_megadcp_s": t_plan,
-                    "splits_megadcp": list(plans["megadcp"].splits), "splits_fa3": list(base.splits), "methods": {}}
-            q_d, kn_d, vn_d = (C.put(np.ascontiguousarray(x), rep) for x in (arrs[0][:, :Hq], arrs[1], arrs[2]))
-            for method in args.methods:
-                plan = plans["megadcp"] if method == "megadcp" else base
-                m = case["methods"][method] = {}
-                kh_d, vh_d = plan.shard_history(arrs[3]), plan.shard_history(arrs[4])
-                dplan = C.put_tree(plan, rep)
-                f = jax.jit(lambda q, kn, vn, kh, vh, p, fn=fns[method]: fn(q, kn, vn, kh, vh, p))
-                with C.matmul_precision(args.dtype):
-                    t1 = time.perf_counter()
-                    o = jax.block_until_ready(f(q_d, kn_d, vn_d, kh_d, vh_d, dplan))
-                    m["compile_run_s"] = time.perf_counter() - t1
-                    if refo is not None:
-                        got = C.fetch(o)
-                        r = refo[:, :Hq]
-                        x = got if rows is None else got[rows]
-                        m["error"] = C.rel_error(x, r)
-                        m["ok"] = bool(m["error"] < C.TOL[args.dtype] and np.all(np.isfinite(got)))
-                        ok &= m["ok"]
-                    del o
-                    m["time"] = C.time_call(f, q_d, kn_d, vn_d, kh_d, vh_d, dplan, **C.timing(args))
-                m["tflops_per_gpu"] = fl / Pn / (m["time"]["median_ms"] * 1e-3) / 1e12
-            base_t = {k: v["time"]["median_ms"] for k, v in case["methods"].items() if k != "megadcp"}
-            if base_t:
-                case["best_baseline"], case["speedup"] = C.best_speedup(
-                    base_t, case["methods"]["megadcp"]["time"]["median_ms"])
-            out["cases"].append(case)
-            log("  P=%d  " % Pn + "  ".join(
-                f"{k} {v['time']['median_ms']:.3f} ms{'' if 'error' not in v else ' err %.1e' % v['error']}"
-                f"{'' if v.get('ok', True) else ' FAILED'}" for k, v in case["methods"].items())
-                + (f"  speedup {case['speedup']:.2f}x vs {case['best_baseline']}" if "speedup" in case else ""))
-            C.write_json(args.out, out)
-    C.finish_report(args.out, out, summary=summarize(out["cases"], args.degrees), ok=ok, budget=budget)
-    for line in table(out["cases"]):
+            arrs = [C.random_array(rng, s, args.dtype)
+                    for s in ((Tq, Hmax, D), (Tq, 1, D), (Tq, 1, D), (Th, 1, D), (Th, 1, D))]
+            rows, refo, what = ((None, None, "not checked") if args.no_check
+                                else make_reference(arrs, hist, qlen, args, rng))
+            log(f"snapshot {si}: {snap['scale']}x {snap['kind']}, {len(hist)} requests, {Tq} query / {Th} "
+                f"history tokens (longest {max(hist)}); reference {what} ({time.perf_counter() - t0:.1f} s)")
+            prepared[si] = (snap, hist, qlen, arrs, rows, refo, what)
+        return prepared[si]
+
+    def measure(case):
+        si, Pn = case["snapshot"], case["dcp"]
+        snap, hist, qlen, arrs, rows, refo, what = prepare(si)
+        mesh = jax.make_mesh((Pn,), ("dcp",), devices=devs[:Pn])
+        rep = NamedSharding(mesh, P())
+        Hq = args.hq * Pn
+        kw = dict(num_q_heads=Hq, head_dim=D, tile=args.tile, params=params)
+        t0 = time.perf_counter()
+        plans = {"megadcp": lcp.plan_megadcp(hist, qlen, mesh, "dcp", **kw)}
+        t_plan = time.perf_counter() - t0
+        base = B.plan_dcp_baseline(hist, qlen, mesh, "dcp", **kw)
+        fl = dcp_flops(hist, qlen, Hq, D)
+        rec = {"snapshot": si, "scale": snap["scale"], "kind": snap["kind"], "t_ms": snap.get("t_ms"),
+               "dcp": Pn, "requests": len(hist), "query_tokens": sum(qlen), "history_tokens": sum(hist),
+               "longest_history": max(hist), "check": what, "flops": fl, "plan_megadcp_s": t_plan,
+               "splits_megadcp": list(plans["megadcp"].splits), "splits_fa3": list(base.splits), "methods": {}}
+        q_d, kn_d, vn_d = (C.put(np.ascontiguousarray(x), rep) for x in (arrs[0][:, :Hq], arrs[1], arrs[2]))
+        for method in args.methods:
+            plan = plans["megadcp"] if method == "megadcp" else base
+            m = rec["methods"][method] = {}
+            kh_d, vh_d = plan.shard_history(arrs[3]), plan.shard_history(arrs[4])
+            dplan = C.put_tree(plan, rep)
+            f = jax.jit(lambda q, kn, vn, kh, vh, p, fn=fns[method]: fn(q, kn, vn, kh, vh, p))
+            with C.matmul_precision(args.dtype):
+                t1 = time.perf_counter()
+                o = jax.block_until_ready(f(q_d, kn_d, vn_d, kh_d, vh_d, dplan))
+                m["compile_run_s"] = time.perf_counter() - t1
+                if refo is not None:
+                    got = C.fetch(o)
+                    x = got if rows is None else got[rows]
+                    m["error"] = C.rel_error(x, refo[:, :Hq])
+                    m["ok"] = bool(m["error"] < C.TOL[args.dtype] and np.all(np.isfinite(got)))
+                del o
+                m["time"] = H.time_fn(f, q_d, kn_d, vn_d, kh_d, vh_d, dplan, **C.timing(args)).as_dict()
+            m["tflops_per_gpu"] = fl / Pn / (m["time"]["median_ms"] * 1e-3) / 1e12
+        base_t = {k: v["time"]["median_ms"] for k, v in rec["methods"].items() if k != "megadcp"}
+        if base_t:
+            rec["best_baseline"], rec["speedup"] = C.best_speedup(
+                base_t, rec["methods"]["megadcp"]["time"]["median_ms"])
+        log("  P=%d  " % Pn + "  ".join(
+            f"{k} {v['time']['median_ms']:.3f} ms{'' if 'error' not in v else ' err %.1e' % v['error']}"
+            f"{'' if v.get('ok', True) else ' FAILED'}" for k, v in rec["methods"].items())
+            + (f"  speedup {rec['speedup']:.2f}x vs {rec['best_baseline']}" if "speedup" in rec else ""))
+        return rec
+
+    cases = [H.Case(f"snapshot {si} P={Pn}", {"snapshot": si, "dcp": Pn})
+             for si in range(len(order)) for Pn in args.degrees]
+    H.run(cases, measure, report, budget, log=False)
+    done = [r for r in report.rows if "methods" in r]
+    ok = all(v.get("ok", True) for r in done for v in r["methods"].values())
+    ok &= not any("error" in r for r in report.rows)
+    report.update(summary=summarize(done, args.degrees), ok=bool(ok), elapsed_s=budget.elapsed())
+    for line in table(done):
         print(line)
-    for kind, s in out["summary"].items():
+    for kind, s in report.data["summary"].items():
         log(f"{kind}: geomean speedup {C.fmt(s['geomean'])}x over {s['cases']} cases (paper {PAPER.get(kind, '-')}x); "
             f"by degree {{{', '.join(f'{p}: {C.fmt(g)}' for p, g in s['by_degree'].items())}}}")
     log(f"correctness {'OK' if ok else 'FAILED'}; wrote {args.out}")
-    return out
+    return report.data
 
 
 def summarize(cases, degrees) -> dict:

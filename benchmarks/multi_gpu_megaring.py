@@ -1,7 +1,7 @@
 """MegaRing vs the training CP baselines on a multi-device mesh (paper §7.1, Figure 9): correctness, then time.
 
-    python benchmarks/multi_gpu_megaring.py [--tokens 64K,128K,256K] [--datasets ...] [--budget-s 500]
-    python benchmarks/multi_gpu_megaring.py --tiny          # CPU smoke run on 8 emulated devices
+    python -m benchmarks.multi_gpu_megaring [--tokens 64K,128K,256K] [--datasets ...] [--budget-s 500]
+    python -m benchmarks.multi_gpu_megaring --tiny          # CPU smoke run on 8 emulated devices
 
 For each of the five training datasets and token budget, sampled packed batches
 (``workloads.sample_batch``; causal, Hq=32 / Hkv=8 / D=128, bf16 by default):
@@ -25,28 +25,25 @@ XLA twin, ``compute="xla"``), checked and timed like the others and reported aga
 baseline too (``speedup_segring_*``); it is not a baseline. The fused engine of paper §6 (in-kernel
 transfers) does not exist yet.
 
-The JSON (``--out``) is rewritten after every configuration, so a run cut by its time limit keeps what
-it measured. Exit status 1 if a correctness check failed.
+The JSON (``--out``; one row per configuration) is rewritten after every configuration, so a run cut
+by its time limit keeps what it measured. Exit status 1 if a correctness check failed.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import multi_gpu_common as C  # noqa: E402
+from benchmarks import attention as A
+from benchmarks import harness as H
+from benchmarks import multi_gpu_common as C
 
 DATASETS = ("prolong", "arxiv", "freelaw", "github", "pilecc")
 METHODS = ("megaring", "segring", "ring", "allgather")
 OURS = ("megaring", "segring")   # the rest are baselines
 PAPER = {"fwd": 1.23, "bwd": 1.18}
-TABLE = C.Table(("dataset", "<8"), ("tokens", ">6"), ("seqs", ">4"), ("groups", "<8"), ("method", "<9"),
+TABLE = H.Table(("dataset", "<8"), ("tokens", ">6"), ("seqs", ">4"), ("groups", "<8"), ("method", "<9"),
                 ("fwd ms", ">9.2f"), ("TF/s/GPU", ">8.3g"), ("f+b ms", ">9.2f"), ("TF/s/GPU", ">8.3g"),
                 ("err", ">8.1e"))
 
@@ -85,19 +82,13 @@ def parse_args(argv):
         (a.hq, a.hkv, a.head_dim, a.tile), (4, 2, 32, 16) if tiny else (32, 8, 128, 128)))
     if tiny:
         a.warmup, a.iters = min(a.warmup, 1), min(a.iters, 3)
-    a.out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  "multi_gpu_megaring_tiny.json" if tiny else "multi_gpu_megaring.json")
+    a.out = a.out or H.latest("multi_gpu_megaring_tiny.json" if tiny else "multi_gpu_megaring.json")
     bad = set(a.methods) - set(METHODS)
     if bad or "megaring" not in a.methods:
         raise ValueError(f"--methods must include megaring and be among {METHODS}; got {a.methods}")
     if a.dtype not in C.TOL:
         raise ValueError(f"--dtype must be one of {sorted(C.TOL)}; got {a.dtype!r}")
     return a
-
-
-def causal_flops(lengths, hq, d) -> float:
-    """Workload-weighted forward FLOPs (paper §7.1): sum_i 4 * D * Hq * L_i^2 / 2."""
-    return float(sum(4.0 * d * hq * float(L) ** 2 / 2 for L in lengths))
 
 
 def baseline_block(plan, kv_rows: int, hq: int, budget=1 << 30) -> int:
@@ -202,7 +193,7 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
     q, k, v, do = inputs
     T = int(sum(lengths))
     N = R.mesh.size
-    fl = causal_flops(lengths, args.hq, args.head_dim)
+    fl = A.causal_fwd_flops(lengths, args.hq, args.head_dim)
 
     def get(name, heads):
         return np.asarray({"q": q, "k": k, "v": v, "do": do}[name][:, heads]).astype(np.float32)
@@ -256,8 +247,8 @@ def run_case(R: Runner, lengths, placements, inputs, args, rng, *, timing: bool,
         if timing and not budget.over():
             # The programs, arrays and precision context of the check (args.dtype): already compiled.
             with C.matmul_precision(args.dtype):
-                m["fwd"] = C.time_call(fwd, *xs[:3], dplan, **C.timing(args))
-                m["fwdbwd"] = C.time_call(fb, *xs, dplan, **C.timing(args))
+                m["fwd"] = H.time_fn(fwd, *xs[:3], dplan, **C.timing(args)).as_dict()
+                m["fwdbwd"] = H.time_fn(fb, *xs, dplan, **C.timing(args)).as_dict()
             tf, tfb = m["fwd"]["median_ms"], m["fwdbwd"]["median_ms"]
             m["fwd_tflops_per_gpu"] = fl / N / (tf * 1e-3) / 1e12
             m["fwdbwd_tflops_per_gpu"] = 3.5 * fl / N / (tfb * 1e-3) / 1e12
@@ -294,17 +285,18 @@ def main(argv=None) -> dict:
 
     from liquidcp_jax.workloads import parse_tokens, sample_batch
 
-    budget = C.Budget(args.budget_s)
+    budget = H.Budget(args.budget_s)
     log = budget.log
     devs = C.devices(args.devices, force_cpu=args.cpu or args.tiny)
     N = len(devs)
     mesh = jax.make_mesh((N,), ("cp",), devices=devs)
     R = Runner(mesh, args)
-    out = C.new_report("benchmarks/multi_gpu_megaring.py", argv, devices=N, dtype=args.dtype,
-                       shape={"hq": args.hq, "hkv": args.hkv, "head_dim": args.head_dim, "tile": args.tile},
-                       pallas_engine="segring: ppermute rings + one Pallas segment-kernel call per step "
-                                     "(XLA twin on CPU); no fused in-kernel-transfer engine yet",
-                       thresholds=C.TOL, paper_speedups=PAPER, groups_case=None, configs=[])
+    report = H.Report("benchmarks.multi_gpu_megaring", args.out, argv, echo=False, devices_used=N,
+                      dtype=args.dtype,
+                      shape={"hq": args.hq, "hkv": args.hkv, "head_dim": args.head_dim, "tile": args.tile},
+                      pallas_engine="segring: ppermute rings + one Pallas segment-kernel call per step "
+                                    "(XLA twin on CPU); no fused in-kernel-transfer engine yet",
+                      thresholds=C.TOL, paper_speedups=PAPER, groups_case=None)
     log(f"{N} x {devs[0].platform} ({devs[0].device_kind}), jax {jax.__version__}, {args.dtype}, "
         f"Hq={args.hq} Hkv={args.hkv} D={args.head_dim}, tile {args.tile}; methods {args.methods}")
 
@@ -314,8 +306,7 @@ def main(argv=None) -> dict:
         # One set of packed inputs per token budget, reused by every dataset (generated on the device).
         if T not in inputs_cache:
             inputs_cache.clear()
-            key = jax.random.key(args.seed + T)
-            ks = jax.random.split(key, 4)
+            ks = jax.random.split(jax.random.key(args.seed + T), 4)
             shp = [(T, args.hq, args.head_dim), (T, args.hkv, args.head_dim), (T, args.hkv, args.head_dim),
                    (T, args.hq, args.head_dim)]
             inputs_cache[T] = tuple(jax.random.normal(kk, s, jnp.float32).astype(args.dtype)
@@ -330,7 +321,7 @@ def main(argv=None) -> dict:
                                      args.datasets + [d for d in DATASETS if d not in args.datasets])
         if found is None:
             log(f"groups case: no sampled {args.tokens[0]} batch has BuddyRing groups of every size; skipped")
-            out["groups_case"] = {"skipped": "no batch with every group size found"}
+            report.update(groups_case={"skipped": "no batch with every group size found"})
         else:
             ds, seed, lengths, pl, source = found
             log(f"groups case: {ds} {args.tokens[0]} seed {seed}: {len(lengths)} sequences, {source} placement, "
@@ -339,49 +330,47 @@ def main(argv=None) -> dict:
             plan = R.plan(lengths, pl)
             dts = [args.dtype] + (["float32"] if args.dtype != "float32" else [])
             rec = run_case(R, lengths, {"megaring": plan}, inputs_for(T), gargs, rng, timing=False,
-                           budget=C.Budget(None), log=log, check_dtypes=dts)
+                           budget=H.Budget(None), log=log, check_dtypes=dts)
             rec.update(dataset=ds, tokens_budget=args.tokens[0], seed=seed, placement_source=source)
             rec["all_sizes_present"] = set(rec["methods"]["megaring"]["group_sizes"]) >= \
                 {1 << i for i in range(N.bit_length())}
             ok &= all(rec["methods"]["megaring"]["ok"].values()) and rec["all_sizes_present"]
-            out["groups_case"] = rec
-        C.write_json(args.out, out)
+            report.update(groups_case=rec)
 
-    table = [TABLE.header()]
-    for b in range(args.batches):
-        for tok in args.tokens:
-            T = parse_tokens(tok)
-            for ds in args.datasets:
-                if budget.stop_before(f"{ds} {tok} batch {b}", out):
-                    break
-                seed = args.seed + b
-                lengths = [int(x) for x in sample_batch(ds, T, seed)]
-                log(f"{ds} {tok} batch {b} (seed {seed}): {len(lengths)} sequences, longest {max(lengths)}")
-                t0 = time.perf_counter()
-                buddy = R.plan(lengths, "buddyring")
-                allcp = R.plan(lengths, "all_cp")
-                plan_s = time.perf_counter() - t0
-                placements = {"megaring": buddy, "segring": buddy, "ring": allcp, "allgather": allcp}
-                rec = run_case(R, lengths, placements, inputs_for(T), args, rng, timing=True, budget=budget, log=log)
-                rec.update(dataset=ds, tokens_budget=tok, seed=seed, plan_s=plan_s)
-                for m, v in rec["methods"].items():
-                    ok &= all(v.get("ok", {True: True}).values())
-                out["configs"].append(rec)
-                table += _rows(rec)
-                for line in table[-len(rec["methods"]):]:
-                    log(line)
-                C.write_json(args.out, out)
-    C.finish_report(args.out, out, summary=summarize(out["configs"]), ok=ok, budget=budget)
-    print("\n".join(table))
-    s = out["summary"]
+    def measure(case):
+        ds, tok, seed = case["dataset"], case["tokens"], case["seed"]
+        lengths = [int(x) for x in sample_batch(ds, parse_tokens(tok), seed)]
+        log(f"{ds} {tok} batch {case['batch']} (seed {seed}): {len(lengths)} sequences, longest {max(lengths)}")
+        t0 = time.perf_counter()
+        buddy = R.plan(lengths, "buddyring")
+        allcp = R.plan(lengths, "all_cp")
+        plan_s = time.perf_counter() - t0
+        placements = {"megaring": buddy, "segring": buddy, "ring": allcp, "allgather": allcp}
+        rec = run_case(R, lengths, placements, inputs_for(parse_tokens(tok)), args, rng, timing=True,
+                       budget=budget, log=log)
+        rec.update(dataset=ds, tokens_budget=tok, seed=seed, plan_s=plan_s)
+        for line in _rows(rec):
+            log(line)
+        return rec
+
+    cases = [H.Case(f"{ds} {tok} batch {b}", {"dataset": ds, "tokens": tok, "batch": b, "seed": args.seed + b})
+             for b in range(args.batches) for tok in args.tokens for ds in args.datasets]
+    H.run(cases, measure, report, budget, log=False)
+    configs = [r for r in report.rows if "methods" in r]
+    ok &= all(all(v.get("ok", {True: True}).values()) for c in configs for v in c["methods"].values())
+    ok &= not any("error" in r for r in report.rows)
+    report.update(summary=summarize(configs), ok=bool(ok), elapsed_s=budget.elapsed())
+    print(TABLE.header())
+    print("\n".join(line for c in configs for line in _rows(c)))
+    s = report.data["summary"]
     log(f"geomean speedup over the best baseline ({s['configs_timed']} configurations): "
         f"fwd {C.fmt(s['geomean_speedup_fwd'])}x (paper {PAPER['fwd']}x), bwd {C.fmt(s['geomean_speedup_bwd'])}x "
         f"(paper {PAPER['bwd']}x), fwd+bwd {C.fmt(s['geomean_speedup_fwdbwd'])}x; segment ring: fwd "
         f"{C.fmt(s['geomean_speedup_segring_fwd'])}x, bwd {C.fmt(s['geomean_speedup_segring_bwd'])}x, "
         f"fwd+bwd {C.fmt(s['geomean_speedup_segring_fwdbwd'])}x")
-    group_sizes = sorted({x for c in out["configs"] for x in c["methods"].get("megaring", {}).get("group_sizes", [])})
+    group_sizes = sorted({x for c in configs for x in c["methods"].get("megaring", {}).get("group_sizes", [])})
     log(f"BuddyRing group sizes seen: {group_sizes}; correctness {'OK' if ok else 'FAILED'}; wrote {args.out}")
-    return out
+    return report.data
 
 
 def _rows(rec):

@@ -2,31 +2,27 @@
 
 100 seeded batches per dataset at 64K, 128K and 256K tokens on 8 devices (paper
 §7.3 "Placement", whose batches are at 128K).  Prints one table per setting and
-an acceptance summary; writes ``benchmarks/results/placement.json``.  Per setting it also
+an acceptance summary; writes ``benchmarks/results/latest/placement.json`` (one row per
+setting).  Per setting it also
 runs BuddyRing with ``max_shards`` = Megatron's shard count, and with ``--exact-s`` an
 integer program (:func:`exact_shard_check`) decides, on each batch where BuddyRing has more
 shards than Megatron, whether any placement with Megatron's shard count meets both tolerances.
 
-    .venv/bin/python benchmarks/placement.py [--batches 100] [--devices 8] [--exact-s 20]
-    .venv/bin/python benchmarks/placement.py --datasets freelaw,arxiv --budgets 128K --batches 30
+    python -m benchmarks.placement [--batches 100] [--devices 8] [--exact-s 20] [--out PATH]
+    python -m benchmarks.placement --datasets freelaw,arxiv --budgets 128K --batches 30
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from liquidcp_jax.cli_plan import evaluate, format_table  # noqa: E402
-from liquidcp_jax.placement import metrics  # noqa: E402
-from liquidcp_jax.placement.buddyring.search import buddyring_search  # noqa: E402
-from liquidcp_jax.workloads import sample_batch  # noqa: E402
+from benchmarks import harness as H
+from liquidcp_jax.cli_plan import evaluate, format_table
+from liquidcp_jax.placement import metrics
+from liquidcp_jax.placement.buddyring.search import buddyring_search
+from liquidcp_jax.workloads import sample_batch
 
 
 def shard_floor(dataset: str, budget: str, devices: int, batches: int) -> np.ndarray:
@@ -126,6 +122,47 @@ BUDGETS = ("64K", "128K", "256K")
 PAPER_FREELAW_128K = (0.064, 0.043)  # BuddyRing mean (D_T, D_W), paper §7.3
 
 
+def setting_rows(data: dict) -> dict:
+    """{"<dataset>_<budget>": record} of a placement report (its rows; the ``results`` dict of
+    reports written before the harness)."""
+    if "results" in data:
+        return data["results"]
+    return {f"{r['dataset']}_{r['budget']}": r for r in data["rows"] if "dataset" in r}
+
+
+def measure(ds: str, budget: str, args) -> dict:
+    """One (dataset, budget) setting: every planner's summary, the shard counts against Megatron
+    and the floor, and BuddyRing with ``max_shards`` = Megatron's count."""
+    r = evaluate(ds, budget, args.devices, args.batches, progress=True)
+    print(format_table(r), flush=True)
+    bud, meg = r["per_batch"]["buddyring"], r["per_batch"]["megatron"]
+    b_sh, m_sh = np.asarray(bud["shards"]), np.asarray(meg["shards"])
+    floor = shard_floor(ds, budget, args.devices, args.batches)
+    more = b_sh > m_sh
+    rec = {
+        "dataset": ds, "budget": budget, "config": r["config"], "placements": r["placements"],
+        "buddyring_ms": bud["ms"],
+        "buddyring_more_shards_than_megatron": int(np.sum(more)),
+        # Megatron below the floor cannot meet the tolerances with its shard count.
+        "megatron_below_shard_floor": int(np.sum(m_sh < floor)),
+        "more_shards_where_megatron_at_or_above_floor": int(np.sum(more & (m_sh >= floor))),
+        "buddyring_shards_over_floor_mean": float(np.mean(b_sh - floor)),
+        "buddyring_minus_megatron_shards_max": int(np.max(b_sh - m_sh)),
+        "per_batch_shards": {"buddyring": b_sh.tolist(), "megatron": m_sh.tolist(),
+                             "floor": floor.tolist()},
+    }
+    cap = rec["cap_variant"] = cap_variant(ds, budget, args.devices, args.batches, m_sh)
+    c_more = np.zeros(args.batches, dtype=bool)
+    c_more[cap["more_shards_seeds"]] = True
+    rec["cap_more_where_megatron_at_or_above_floor"] = int(np.sum(c_more & (m_sh >= floor)))
+    print(f"  shards: BuddyRing > Megatron in {int(np.sum(more))} batches; Megatron below the "
+          f"tolerance floor in {rec['megatron_below_shard_floor']}; BuddyRing over the floor by "
+          f"{rec['buddyring_shards_over_floor_mean']:.2f} on average", flush=True)
+    print(f"  max_shards=Megatron: { {k: v for k, v in cap.items() if k != 'more_shards_seeds'} }",
+          flush=True)
+    return rec
+
+
 def exact_pass(results: dict, args, datasets) -> None:
     """The exact shard check on every batch of ``--exact-budgets`` where BuddyRing (default or
     ``max_shards``) has more shards than Megatron and Megatron is at or above the floor
@@ -161,87 +198,14 @@ def exact_pass(results: dict, args, datasets) -> None:
                   f"shard count meets both tolerances: {counts}", flush=True)
 
 
-def _write(args, results, acceptance, t0, argv) -> None:
-    meta = {"command": "python benchmarks/placement.py " + " ".join(argv or sys.argv[1:]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-            "python": platform.python_version(), "numpy": np.__version__,
-            "wall_s": round(time.time() - t0, 1)}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "acceptance": acceptance, "results": results}, f, indent=1)
-    print(f"wrote {args.out} ({meta['wall_s']} s)")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, default=100)
-    ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                   "results", "placement.json"))
-    ap.add_argument("--datasets", default=",".join(DATASETS),
-                    help="comma-separated subset of " + ",".join(DATASETS))
-    ap.add_argument("--budgets", default=",".join(BUDGETS), help="comma-separated token budgets")
-    ap.add_argument("--exact-s", type=float, default=0.0,
-                    help="time limit (s) of the exact shard check (an integer program, "
-                         "exact_shard_check) run after the timed sweep on every batch where "
-                         "BuddyRing (default or capped) has more shards than Megatron and "
-                         "Megatron is at or above the shard floor; 0 skips it")
-    ap.add_argument("--exact-budgets", default="128K",
-                    help="budgets whose batches get the exact check")
-    args = ap.parse_args(argv)
-    datasets = [d for d in args.datasets.split(",") if d]
-    budgets = [b for b in args.budgets.split(",") if b]
-    for d in datasets:
-        if d not in DATASETS:
-            raise ValueError(f"--datasets: unknown dataset {d!r}; expected some of {DATASETS}")
-    t0 = time.time()
-    results = {}
-    ms_128k = []
-    for budget in budgets:
-        for ds in datasets:
-            r = evaluate(ds, budget, args.devices, args.batches, progress=True)
-            print(format_table(r), flush=True)
-            print(flush=True)
-            key = f"{ds}_{budget}"
-            bud = r["per_batch"]["buddyring"]
-            meg = r["per_batch"]["megatron"]
-            b_sh, m_sh = np.asarray(bud["shards"]), np.asarray(meg["shards"])
-            floor = shard_floor(ds, budget, args.devices, args.batches)
-            more = b_sh > m_sh
-            results[key] = {
-                "config": r["config"], "placements": r["placements"],
-                "buddyring_ms": bud["ms"],
-                "buddyring_more_shards_than_megatron": int(np.sum(more)),
-                # Megatron below the floor cannot meet the tolerances with its shard count.
-                "megatron_below_shard_floor": int(np.sum(m_sh < floor)),
-                "more_shards_where_megatron_at_or_above_floor": int(np.sum(more & (m_sh >= floor))),
-                "buddyring_shards_over_floor_mean": float(np.mean(b_sh - floor)),
-                "buddyring_minus_megatron_shards_max": int(np.max(b_sh - m_sh)),
-            }
-            results[key]["per_batch_shards"] = {"buddyring": b_sh.tolist(),
-                                                "megatron": m_sh.tolist(), "floor": floor.tolist()}
-            cap = cap_variant(ds, budget, args.devices, args.batches, m_sh)
-            results[key]["cap_variant"] = cap
-            c_more = np.zeros(args.batches, dtype=bool)
-            c_more[cap["more_shards_seeds"]] = True
-            results[key]["cap_more_where_megatron_at_or_above_floor"] = int(
-                np.sum(c_more & (m_sh >= floor)))
-            print(f"  shards: BuddyRing > Megatron in {int(np.sum(more))} batches; Megatron "
-                  f"below the tolerance floor in {results[key]['megatron_below_shard_floor']}; "
-                  f"BuddyRing over the floor by {results[key]['buddyring_shards_over_floor_mean']:.2f}"
-                  f" on average", flush=True)
-            print(f"  max_shards=Megatron: { {k: v for k, v in cap.items() if k != 'more_shards_seeds'} }",
-                  flush=True)
-            if budget == "128K":
-                ms_128k.extend(bud["ms"])
-    if args.exact_s > 0:
-        exact_pass(results, args, datasets)
-    if "freelaw_128K" not in results or not ms_128k:
-        _write(args, results, {}, t0, argv)
-        return 0
+def acceptance_summary(results: dict) -> dict:
+    """The acceptance checks over all settings (FreeLaw 128K against the paper; planning time at
+    128K), printed; {} without a FreeLaw 128K setting."""
+    ms = np.asarray([x for k, v in results.items() if k.endswith("_128K") for x in v["buddyring_ms"]])
+    if "freelaw_128K" not in results or not ms.size:
+        return {}
     fl = results["freelaw_128K"]["placements"]
-    ms = np.asarray(ms_128k)
-    acceptance = {
+    acc = {
         "buddyring_all_batches_feasible": {k: v["placements"]["buddyring"]["hit_rate"] == 1.0
                                            for k, v in results.items()},
         "freelaw_128K_buddyring_mean": (fl["buddyring"]["mean_d_t"], fl["buddyring"]["mean_d_w"]),
@@ -259,22 +223,54 @@ def main(argv=None) -> int:
     }
     print("acceptance summary")
     print(f"  BuddyRing meets both tolerances in every batch: "
-          f"{sum(acceptance['buddyring_all_batches_feasible'].values())}/{len(results)} settings")
+          f"{sum(acc['buddyring_all_batches_feasible'].values())}/{len(results)} settings")
     for k, v in results.items():
         hr = v["placements"]["buddyring"]["hit_rate"]
         if hr < 1:
             print(f"    {k}: {100 * hr:.0f}% of batches")
-    b = acceptance["freelaw_128K_buddyring_mean"]
+    b = acc["freelaw_128K_buddyring_mean"]
     print(f"  FreeLaw 128K mean (D_T, D_W): BuddyRing ({100 * b[0]:.2f}%, {100 * b[1]:.2f}%), "
           f"paper (6.4%, 4.3%); Megatron ({100 * fl['megatron']['mean_d_t']:.2f}%, "
           f"{100 * fl['megatron']['mean_d_w']:.2f}%); Zeppelin "
           f"({100 * fl['zeppelin']['mean_d_t']:.2f}%, {100 * fl['zeppelin']['mean_d_w']:.2f}%)")
-    worse = {k: v for k, v in acceptance["batches_with_more_shards_than_megatron"].items() if v}
+    worse = {k: v for k, v in acc["batches_with_more_shards_than_megatron"].items() if v}
     print(f"  batches where BuddyRing uses more shards than Megatron: {worse or 'none'}")
-    p = acceptance["planning_ms_128K_all_datasets"]
+    p = acc["planning_ms_128K_all_datasets"]
     print(f"  BuddyRing planning time per 128K batch (all datasets): median {p['median']:.1f} ms, "
           f"p95 {p['p95']:.1f} ms, max {p['max']:.1f} ms")
-    _write(args, results, acceptance, t0, argv)
+    return acc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=100)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--datasets", default=",".join(DATASETS),
+                    help="comma-separated subset of " + ",".join(DATASETS))
+    ap.add_argument("--budgets", default=",".join(BUDGETS), help="comma-separated token budgets")
+    ap.add_argument("--exact-s", type=float, default=0.0,
+                    help="time limit (s) of the exact shard check (an integer program, "
+                         "exact_shard_check) run after the timed sweep on every batch where "
+                         "BuddyRing (default or capped) has more shards than Megatron and "
+                         "Megatron is at or above the shard floor; 0 skips it")
+    ap.add_argument("--exact-budgets", default="128K",
+                    help="budgets whose batches get the exact check")
+    H.add_common_args(ap, H.latest("placement.json"))
+    args = ap.parse_args(argv)
+    try:
+        datasets = H.parse_list(args.datasets, allowed=DATASETS, name="--datasets")
+    except ValueError as e:
+        ap.error(str(e))
+    cases = [H.Case(f"{ds} {b}", {"dataset": ds, "budget": b})
+             for b in H.parse_list(args.budgets) for ds in datasets]
+    budget = H.Budget(args.budget_s)
+    report = H.Report("benchmarks.placement", args.out, argv, devices=False, echo=False)
+    H.run(cases, lambda c: measure(c["dataset"], c["budget"], args), report, budget, log=False)
+    results = setting_rows(report.data)
+    if args.exact_s > 0:
+        exact_pass(results, args, datasets)
+    report.update(acceptance=acceptance_summary(results), wall_s=round(budget.elapsed(), 1))
+    print(f"wrote {args.out} ({budget.elapsed():.0f} s)")
     return 0
 
 

@@ -1,17 +1,18 @@
-"""Plot of the dense causal kernel runs over time: ours / cuDNN and tokamax / cuDNN, forward and
-forward+backward, at 8K and 32K, one point per recorded run. Shows issue 6's targets (forward >= 1.0,
+"""Plot of kernel runs over time: ours / cuDNN and tokamax / cuDNN, forward and forward+backward,
+one point per recorded run of ``benchmarks/kernels.py``. Shows issue 6's targets (forward >= 1.0,
 forward+backward >= 0.9) next to the run-to-run spread that a table of single runs hides.
 
-Reads the ``benchmarks/kernels.py`` JSONs under ``benchmarks/results/`` (``--glob``), keeps the
-dense rows, labels each run by the letter after the date in its file name, prints a table and
-writes a PNG. A second PNG (``--packed-out``) does the same for the packed rows against cuDNN's
-packed layout (one panel per batch, forward and forward+backward, issue 6's target 1.0; where
-cuDNN's packed backward ran out of memory there is no forward+backward point). Round-robin runs (``--interleave``, "timing": "interleaved") are drawn filled,
-sequential ones hollow (their ratios are biased by run order and clock ramp-up; RESULTS.md).
+Reads ``kernels.py`` reports (``--glob``; default the ones in ``benchmarks/results/latest/``; older
+runs are in git history: ``git show <commit>:<path> > /tmp/runs/<name>.json``), keeps the dense
+rows, labels each run by its date and file name (or by the run letters of files named
+``*_<date>_<run>.json``), prints a table and writes a PNG. A second PNG (``--packed-out``) does the
+same for the packed rows against cuDNN's packed layout (one panel per batch; where cuDNN's packed
+backward ran out of memory there is no forward+backward point). Round-robin runs (``--interleave``,
+"timing": "interleaved") are drawn filled, sequential ones hollow (their ratios are biased by run
+order and clock ramp-up).
 
-  python benchmarks/plot_kernels.py [--glob 'benchmarks/results/kernels*_2026-12-0[34]_*.json']
-                                    [--out benchmarks/results/kernels_ratios.png]
-                                    [--packed-out benchmarks/results/kernels_packed_ratios.png]
+  python -m benchmarks.plot_kernels [--glob 'benchmarks/results/latest/kernels*.json']
+      [--out benchmarks/results/kernels_ratios.png] [--packed-out benchmarks/results/kernels_packed_ratios.png]
 """
 import argparse
 import glob
@@ -20,27 +21,35 @@ import os
 import re
 import sys
 
+from benchmarks import harness as H
+
 SERIES = (("ours fwd", "ours_fwd", "o"), ("ours fwd+bwd", "ours_fwdbwd", "s"),
           ("tokamax fwd", "tokamax_fwd", "^"), ("tokamax fwd+bwd", "tokamax_fwdbwd", "v"))
 
 
-def run_order(label):
-  """Sort key of run letters in the order they were given: a ... z, aa, ab, ..."""
-  return (len(label), label)
+def run_label(path, data):
+  """(label, sort key) of one report: the run letters of ``*_<date>_<run>.json`` (sorted a ... z,
+  aa, ab, ...), else ``<date> <file stem>`` from the report's meta."""
+  m = re.search(r"_(\d{4}-\d{2}-\d{2})_([a-z]+)\.json$", os.path.basename(path))
+  if m:
+    return m.group(2), (m.group(1), len(m.group(2)), m.group(2))
+  date = str(data.get("meta", {}).get("date", ""))[:10]
+  stem = os.path.splitext(os.path.basename(path))[0]
+  return f"{date} {stem}".strip(), (date, 0, stem)
 
 
 def _section_rows(pattern, section):
-  """(run label, row) for every ``section`` row of the kernels.py JSONs matching ``pattern``
-  (the label is the letters after the date in the file name; other files are skipped)."""
-  for path in sorted(glob.glob(pattern)):
-    m = re.search(r"_(\d{4}-\d{2}-\d{2})_([a-z]+)\.json$", os.path.basename(path))
-    if not m:
-      continue
+  """(run label, row) for every ``section`` row of the kernels.py reports matching ``pattern``,
+  runs in order (:func:`run_label`)."""
+  runs = []
+  for path in glob.glob(pattern):
     with open(path) as fh:
-      rows = json.load(fh).get("rows", [])
-    for r in rows:
+      data = json.load(fh)
+    runs.append((*run_label(path, data), data))
+  for label, _, data in sorted(runs, key=lambda r: r[1]):
+    for r in data.get("rows", []):
       if r.get("section") == section:
-        yield m.group(2), r
+        yield label, r
 
 
 def _ratios(row, series, baseline):
@@ -95,8 +104,8 @@ def _panels(keys, width, draw, ncol, out):
 
 
 def _run_axis(ax, runs, xlabel):
-  """x positions of ``runs`` in run order, with the run letters as ticks."""
-  runs = sorted(set(runs), key=run_order)
+  """x positions of ``runs`` (in order, each once), with the run labels as ticks."""
+  runs = list(dict.fromkeys(runs))
   ax.set_xticks(range(len(runs)), runs)
   ax.set_xlabel(xlabel)
   return {run: i for i, run in enumerate(runs)}
@@ -120,7 +129,7 @@ def plot_packed(pts, out):
 def plot(pts, out):
   def draw(ax, s):
     sub = [p for p in pts if p[1] == s]
-    xs = _run_axis(ax, [p[0] for p in sub], "run (benchmarks/results/*_<date>_<run>.json)")
+    xs = _run_axis(ax, [p[0] for p in sub], "run")
     for (name, _, marker), color in zip(SERIES, ("C0", "C1", "C2", "C3")):
       for filled in (True, False):
         sel = [(xs[run], v[name]) for run, _, il, v in sub if il == filled and name in v]
@@ -137,26 +146,26 @@ def plot(pts, out):
 
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--glob", default="benchmarks/results/kernels*_2026-12-0[34]_*.json")
-  ap.add_argument("--out", default="benchmarks/results/kernels_ratios.png")
-  ap.add_argument("--packed-out", default="benchmarks/results/kernels_packed_ratios.png",
+  ap.add_argument("--glob", default=H.latest("kernels*.json"))
+  ap.add_argument("--out", default=os.path.join(H.ROOT, "benchmarks", "results", "kernels_ratios.png"))
+  ap.add_argument("--packed-out", default=os.path.join(H.ROOT, "benchmarks", "results",
+                                                       "kernels_packed_ratios.png"),
                   help="PNG of the packed rows ('' for none)")
   a = ap.parse_args(argv)
   pts = load_points(a.glob)
   if not pts:
     sys.exit(f"no dense rows in {a.glob!r}")
-  print(f"{'run':4s} {'S':>6s} {'timing':12s} " + " ".join(f"{n:>16s}" for n, _, _ in SERIES))
-  for run, s, il, v in sorted(pts, key=lambda p: (p[1], run_order(p[0]))):
-    cells = " ".join(f"{v[n]:16.3f}" if n in v else f"{'-':>16s}" for n, _, _ in SERIES)
-    print(f"{run:4s} {s:6d} {'interleaved' if il else 'sequential':12s} {cells}")
+  table = H.Table(("run", "<28"), ("S", ">6"), ("timing", "<12"), *((n, ">16.3f") for n, _, _ in SERIES))
+  print(table.render([(run[:28], s, "interleaved" if il else "sequential", *(v.get(n) for n, _, _ in SERIES))
+                      for run, s, il, v in sorted(pts, key=lambda p: p[1])]))
   plot(pts, a.out)
   print(f"wrote {a.out}")
   packed = load_packed_points(a.glob)
   if a.packed_out and packed:
-    print(f"\n{'run':4s} {'batch':14s} " + " ".join(f"{n:>14s}" for n, _, _ in PACKED_SERIES))
-    for run, b, v in sorted(packed, key=lambda p: (p[1], run_order(p[0]))):
-      cells = " ".join(f"{v[n]:14.3f}" if n in v else f"{'-':>14s}" for n, _, _ in PACKED_SERIES)
-      print(f"{run:4s} {b:14s} {cells}")
+    table = H.Table(("run", "<28"), ("batch", "<14"), *((n, ">14.3f") for n, _, _ in PACKED_SERIES))
+    print()
+    print(table.render([(run[:28], b, *(v.get(n) for n, _, _ in PACKED_SERIES))
+                        for run, b, v in sorted(packed, key=lambda p: p[1])]))
     plot_packed(packed, a.packed_out)
     print(f"wrote {a.packed_out}")
   return pts

@@ -13,33 +13,27 @@ per GPU (the batch's causal FLOPs / devices / slowest time; fwd+bwd 3.5x, DESIGN
 What this leaves out: communication (the ppermutes, and whether XLA overlaps them with the
 kernels) and the partial-state merges' overlap; it is the compute side of the ring only.
 
-  python benchmarks/segment_ring_compute.py [--datasets freelaw,arxiv,pilecc] [--tokens 128K]
-      [--devices 8] [--reps 5] [--out benchmarks/results/segment_ring_compute.json]
+  python -m benchmarks.segment_ring_compute [--datasets freelaw,arxiv,pilecc] [--tokens 128K]
+      [--devices 8] [--reps 5] [--budget-s S] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-import time
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.getcwd())
-from liquidcp_jax import placement as placement_lib, state as state_lib, workloads  # noqa: E402
-from liquidcp_jax.megaring.layout import build_layout  # noqa: E402
-from liquidcp_jax.pallas import api  # noqa: E402
-from liquidcp_jax.pallas.tables import Segments  # noqa: E402
-from liquidcp_jax.megaring.ring_segments import build_ring_segments, receive_parts  # noqa: E402
+from benchmarks import attention as A
+from benchmarks import harness as H
+from liquidcp_jax import placement as placement_lib, state as state_lib
+from liquidcp_jax.megaring.layout import build_layout
+from liquidcp_jax.megaring.ring_segments import build_ring_segments, receive_parts
+from liquidcp_jax.pallas import api
+from liquidcp_jax.pallas.tables import Segments
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import causal_fwd_flops, median_time, seg_arrays, seg_capacity  # noqa: E402
-
-HQ, HKV, D = 32, 8, 128
-SCALE = 1.0 / np.sqrt(D)
+HQ, HKV, D, SCALE = A.HQ, A.HKV, A.D, A.SCALE
 
 
 def make_fns(n_steps):
@@ -65,7 +59,7 @@ def make_fns(n_steps):
 
 
 def bench(ds, tokens, n_dev, reps, B=128):
-    lens = workloads.sample_batch(ds, tokens, 0).astype(np.int64)
+    lens = A.batch_lengths(ds, tokens)
     pl = placement_lib.buddyring(lens, num_devices=n_dev)
     lay = build_layout(lens, pl.starts, pl.sizes, n_dev, B)
     rs = build_ring_segments(lay, pl.starts, pl.sizes, lens, causal=True)
@@ -91,23 +85,16 @@ def bench(ds, tokens, n_dev, reps, B=128):
         segs = tuple(Segments(*(jnp.asarray(a[d, t]) for a in rs[:6]),
                               jnp.int32(rs.count[d, t])) for t in range(S))
         qd, dod = qc[d * C:(d + 1) * C], doc[d * C:(d + 1) * C]
-        f_ms = median_time(fwd, qd, ks, vs, segs, n=reps)[0] * 1e3
-        fb_ms = median_time(fwdbwd, qd, ks, vs, dod, segs, n=reps)[0] * 1e3
+        f_ms = H.time_fn(fwd, qd, ks, vs, segs, reps=reps).median_ms
+        fb_ms = H.time_fn(fwdbwd, qd, ks, vs, dod, segs, reps=reps).median_ms
         per.append((f_ms, fb_ms))
         print(json.dumps({"dataset": ds, "device": d, "fwd_ms": round(f_ms, 3),
                           "fwdbwd_ms": round(fb_ms, 3)}), flush=True)
-    cap = seg_capacity(len(lens))
-    sg = seg_arrays(lens, cap)
-    one_f = jax.jit(lambda q, k, v, *s: api.varlen_attention(q, k, v, *s, causal=True,
-                                                             sm_scale=SCALE)[0])
-
-    def loss(q, k, v, do, *s):
-        return jnp.sum(api.varlen_attention(q, k, v, *s, causal=True, sm_scale=SCALE)[0]
-                       .astype(jnp.float32) * do.astype(jnp.float32))
-    one_fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    one_f_ms = median_time(one_f, q, k, v, *sg, n=reps)[0] * 1e3
-    one_fb_ms = median_time(one_fb, q, k, v, do, *sg, n=reps)[0] * 1e3
-    flops = causal_fwd_flops(lens)
+    sg = A.seg_arrays(lens)
+    one_f, one_fb = A.ours_jitted()
+    one_f_ms = H.time_fn(one_f, q, k, v, *sg, reps=reps).median_ms
+    one_fb_ms = H.time_fn(one_fb, q, k, v, do, *sg, reps=reps).median_ms
+    flops = A.causal_fwd_flops(lens)
     f_max = max(p[0] for p in per)
     fb_max = max(p[1] for p in per)
     return {"dataset": ds, "tokens": T, "num_seqs": len(lens), "devices": N,
@@ -124,37 +111,33 @@ def bench(ds, tokens, n_dev, reps, B=128):
             "fwdbwd_tflops_per_gpu": round(3.5 * flops / N / fb_max / 1e9, 1)}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", default="freelaw,arxiv,pilecc")
     ap.add_argument("--tokens", default="128K")
     ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/segment_ring_compute.json")
-    a = ap.parse_args()
-    rows = []
-    meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
-    for ds in a.datasets.split(","):
-        try:
-            rows.append(bench(ds, workloads.parse_tokens(a.tokens), a.devices, a.reps))
-        except Exception as e:  # noqa: BLE001
-            rows.append({"dataset": ds, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        print(json.dumps(rows[-1]), flush=True)
-        with open(a.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\n{'batch':14s} {'groups':>10s} {'fwd max':>8s} {'1-step/N':>8s} {'eff':>5s} "
-          f"{'f+b max':>8s} {'1-step/N':>8s} {'eff':>5s} {'TF/GPU f+b':>10s}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['dataset']:14s} error: {r['error'][:90]}")
+    H.add_common_args(ap, H.latest("segment_ring_compute.json"), reps=5)
+    a = ap.parse_args(argv)
+    budget = H.Budget(a.budget_s)
+    report = H.Report("benchmarks.segment_ring_compute", a.out, argv, reps=a.reps)
+    H.run([H.Case(ds) for ds in H.parse_list(a.datasets)],
+          lambda c: bench(c.name, a.tokens, a.devices, a.reps), report, budget)
+    table = H.Table(("batch", "<14"), ("groups", ">10"), ("fwd max", ">8.2f"), ("1-step/N", ">8.2f"),
+                    ("eff", ">5.2f"), ("f+b max", ">8.2f"), ("1-step/N", ">8.2f"), ("eff", ">5.2f"),
+                    ("TF/GPU f+b", ">10.1f"))
+    print()
+    print(table.header())
+    for r in report.rows:
+        if "error" in r or "skipped" in r:
+            print(f"{r['case']:14s} {r.get('error') or 'skipped: ' + r['skipped']}"[:100])
             continue
         n = r["devices"]
-        print(f"{r['dataset'] + ' ' + str(r['tokens'] // 1024) + 'K':14s} "
-              f"{','.join(map(str, r['group_sizes'])):>10s} {r['fwd_ms_slowest']:8.2f} "
-              f"{r['one_step_fwd_ms'] / n:8.2f} {r['fwd_efficiency']:5.2f} "
-              f"{r['fwdbwd_ms_slowest']:8.2f} {r['one_step_fwdbwd_ms'] / n:8.2f} "
-              f"{r['fwdbwd_efficiency']:5.2f} {r['fwdbwd_tflops_per_gpu']:10.1f}")
+        print(table.row(f"{r['dataset']} {A.tokens_label(r['tokens'])}", ",".join(map(str, r["group_sizes"])),
+                        r["fwd_ms_slowest"], r["one_step_fwd_ms"] / n, r["fwd_efficiency"],
+                        r["fwdbwd_ms_slowest"], r["one_step_fwdbwd_ms"] / n, r["fwdbwd_efficiency"],
+                        r["fwdbwd_tflops_per_gpu"]))
+    budget.log(f"wrote {a.out}")
+    return report.data
 
 
 if __name__ == "__main__":

@@ -1,7 +1,4 @@
 """BuddyRing's cap-directed search (``max_shards``; issue 3: "never more shards than Megatron")."""
-import os
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -15,7 +12,6 @@ from liquidcp_jax.placement.buddyring.problem import Problem
 from liquidcp_jax.placement.types import Group, Placement
 from liquidcp_jax.workloads import sample_batch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
 def _problem(lengths, n, **kw):
@@ -122,7 +118,7 @@ def test_branch_and_bound_agrees_with_the_integer_program(lengths, log_n, slack)
     # Cross-check against benchmarks/placement.py's integer program (scipy HiGHS): a
     # placement found meets both tolerances within the cap; "none exists" is never wrong.
     pytest.importorskip("scipy.optimize")
-    from placement import exact_shard_check
+    from benchmarks.placement import exact_shard_check
     n = 2 ** log_n
     pb = _problem(lengths, n)
     cap = max(1, int(pb.gmin.sum()) + slack)

@@ -1,7 +1,4 @@
 """BuddyRing's min-shard candidates (issue 3: "never more shards than Megatron on a batch")."""
-import os
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -142,8 +139,7 @@ def test_bad_max_shards(bad):
 def test_exact_shard_check_on_figure7():
     # The benchmark's integer program: BuddyRing's 9 shards are the minimum for Figure 7,
     # and nothing below the A.1 floor (6) is feasible.
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     pytest.importorskip("scipy.optimize")
-    from placement import exact_shard_check
+    from benchmarks.placement import exact_shard_check
     assert exact_shard_check(FIG7, 4, 12, time_limit=30) == ("feasible", 9)
     assert exact_shard_check(FIG7, 4, 8, time_limit=30) == ("infeasible", None)

@@ -1,15 +1,11 @@
 """benchmarks/kernel_trace.py's trace reader, on a CPU trace of a small XLA program (on a GPU it
 reads the "/device:GPU" planes' "Stream" lines and the "XLA Modules" line the same way)."""
-import os
-import sys
-
 import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import kernel_trace  # noqa: E402
+from benchmarks import attention, kernel_trace, variants
 
 
 def test_trace_reader_sums_per_call():
@@ -96,21 +92,27 @@ def test_median_rounds_picks_the_median_round():
 
 
 def test_parse_variants_names_the_unknown_one():
-  assert kernel_trace.parse_variants("") == []
-  assert kernel_trace.parse_variants(" mcs3, named_barriers ") == ["mcs3", "named_barriers"]
-  assert kernel_trace.parse_variants(kernel_trace.DEFAULT_VARIANTS)
+  assert variants.parse("") == []
+  assert variants.parse(" mcs3, named_barriers ") == ["mcs3", "named_barriers"]
+  assert variants.parse(kernel_trace.DEFAULT_VARIANTS)
   with pytest.raises(ValueError, match="'mcs9'.*expected a comma list"):
-    kernel_trace.parse_variants("mcs3,mcs9")
+    variants.parse("mcs3,mcs9")
 
 
 def test_every_variant_is_a_valid_config():
-  from liquidcp_jax.pallas import api
+  """Every registry entry builds (an entry setting a removed option fails here, naming itself)
+  and the default lists of the scripts name registry entries."""
+  from benchmarks import kernels
   from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
   from liquidcp_jax.pallas.common import SMEM_LIMIT
-  for name, (kind, fields) in kernel_trace.VARIANTS.items():
-    assert kind in ("fwd", "bwd"), name
-    cfg = (api.TuningConfig if kind == "fwd" else bwd_lib.BwdTuningConfig)(**fields)
-    if kind == "bwd" and not cfg.fused:
+  for spec in (kernel_trace.DEFAULT_VARIANTS, kernels.DEFAULT_VARIANTS):
+    variants.parse(spec)
+  for name, v in variants.VARIANTS.items():
+    assert v.kind in ("fwd", "bwd"), name
+    cfg = variants.config(name)
+    fwd_cfg, bwd_cfg = variants.configs(name)
+    assert (fwd_cfg if v.kind == "fwd" else bwd_cfg) == cfg
+    if v.kind == "bwd" and not cfg.fused:
       for k in ("dq", "dkv"):  # fits the H200's SMEM at head_dim 128
         assert bwd_lib.smem_bytes(k, cfg, 128) <= SMEM_LIMIT, (name, k)
 
@@ -133,8 +135,8 @@ def test_trace_rounds_round_robin_and_errors():
 
 
 def test_uniform_lengths():
-  np.testing.assert_array_equal(kernel_trace.uniform_lengths(65536, 8192), [8192] * 8)
-  np.testing.assert_array_equal(kernel_trace.uniform_lengths(65536, 6000),
+  np.testing.assert_array_equal(attention.uniform_lengths(65536, 8192), [8192] * 8)
+  np.testing.assert_array_equal(attention.uniform_lengths(65536, 6000),
                                 [6000] * 10 + [5536])
   with pytest.raises(ValueError, match="--uniform"):
-    kernel_trace.uniform_lengths(4096, 8192)
+    attention.uniform_lengths(4096, 8192)

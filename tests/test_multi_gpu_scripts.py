@@ -8,13 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
-sys.path.insert(0, BENCH)
-
-import multi_gpu_common as C  # noqa: E402
-import multi_gpu_megadcp as MD  # noqa: E402
-import multi_gpu_megaring as MR  # noqa: E402
-from liquidcp_jax import reference as ref  # noqa: E402
+from benchmarks import harness as H
+from benchmarks import multi_gpu_common as C
+from benchmarks import multi_gpu_megadcp as MD
+from benchmarks import multi_gpu_megaring as MR
+from liquidcp_jax import reference as ref
 
 
 @pytest.mark.slow   # ~25 s on a quiet 2-core CPU (compiles 7 XLA programs); runs by default
@@ -27,7 +25,8 @@ def test_megaring_script_tiny(tmp_path):
     assert g["group_sizes"] == [1, 2, 4, 8] and res["groups_case"]["all_sizes_present"]
     assert set(g["errors"]["float32"]) == {"out", "dq", "dk", "dv"}
     assert max(g["errors"]["float32"].values()) < 1e-5
-    (cfg,) = res["configs"]
+    assert res["meta"]["script"] == "benchmarks.multi_gpu_megaring" and res["meta"]["jax"]
+    (cfg,) = res["rows"]
     assert set(cfg["methods"]) == {"megaring", "segring", "ring", "allgather"}
     # The segment ring runs the same BuddyRing plan (its XLA twin here, on the CPU mesh).
     assert cfg["methods"]["segring"]["group_sizes"] == cfg["methods"]["megaring"]["group_sizes"]
@@ -37,7 +36,7 @@ def test_megaring_script_tiny(tmp_path):
         assert {"out", "dq", "dk", "dv", "fwd-program out"} <= set(errs)
         assert max(errs.values()) < 1e-5 and m["ok"]["float32"]
         for key in ("fwd", "fwdbwd"):
-            assert m[key]["median_ms"] > 0 and m[key]["iters"] >= 3
+            assert m[key]["median_ms"] > 0 and m[key]["reps"] >= 3
         assert m["fwd_tflops_per_gpu"] > 0 and m["fwdbwd_tflops_per_gpu"] > 0
     for key in ("fwd", "fwdbwd", "bwd"):
         assert cfg[f"best_baseline_{key}"] in ("ring", "allgather") and cfg[f"speedup_{key}"] > 0
@@ -50,8 +49,8 @@ def test_megadcp_script_tiny(tmp_path):
     out = tmp_path / "dcp.json"
     res = MD.main(["--tiny", "--scales", "4", "--degrees", "8", "--out", str(out)])
     assert res["ok"] and json.load(open(out))["ok"]
-    assert {c["kind"] for c in res["cases"]} == {"decode", "mixed"}
-    for c in res["cases"]:
+    assert {c["kind"] for c in res["rows"]} == {"decode", "mixed"}
+    for c in res["rows"]:
         assert c["dcp"] == 8 and set(c["methods"]) == set(MD.METHODS)
         for m in c["methods"].values():
             assert m["error"] < 1e-5 and m["ok"]
@@ -62,11 +61,14 @@ def test_megadcp_script_tiny(tmp_path):
 
 def test_distributed_check_two_processes(tmp_path):
     """Two processes with one CPU device each, gloo collectives, MegaRing fwd+bwd vs float64 on process 0."""
-    cmd = [sys.executable, os.path.join(BENCH, "distributed_check.py"), "--num-processes", "2", "--platform", "cpu",
-           "--timeout-s", "150", "--out", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    out = tmp_path / "distributed_check.json"
+    cmd = [sys.executable, "-m", "benchmarks.distributed_check", "--num-processes", "2", "--platform", "cpu",
+           "--timeout-s", "150", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=H.ROOT)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    d = json.load(open(tmp_path / "distributed_check.json"))
+    d = json.load(open(out))
+    assert d["meta"]["argv"][:2] == ["--num-processes", "2"]
+    assert sorted(os.listdir(tmp_path / "distributed_check_logs")) == ["proc0.log", "proc1.log"]
     assert d["ok"] and d["processes"] == 2 and d["global_devices"] == 2 and d["collectives"] == "gloo"
     assert set(d["errors"]) == {"out", "dq", "dk", "dv"} and max(d["errors"].values()) < 1e-5
     assert d["launcher"]["exit_codes"] == [0, 0]

@@ -1,54 +1,69 @@
-"""benchmarks/plot_kernels.py on the recorded kernel runs: ratios recomputed from the TFLOP/s."""
+"""benchmarks/plot_kernels.py on kernels.py reports: ratios recomputed from the TFLOP/s, run labels
+and order, packed batches without a backward baseline."""
 import json
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
-sys.path.insert(0, BENCH)
-import plot_kernels  # noqa: E402
+from benchmarks import plot_kernels
 
 
-def test_plot_from_recorded_runs(tmp_path):
-  pytest.importorskip("matplotlib")
-  pattern = os.path.join(BENCH, "results", "kernels*_2026-12-03_*.json")
-  out = tmp_path / "ratios.png"
-  pts = plot_kernels.main(["--glob", pattern, "--out", str(out), "--packed-out", ""])
-  assert out.stat().st_size > 10_000
-  # Run n's dense 8K row: ours / cuDNN recomputed equals the ratio kernels.py stored.
-  with open(os.path.join(BENCH, "results", "kernels_dense_2026-12-03_n.json")) as fh:
-    row = next(r for r in json.load(fh)["rows"] if r["S"] == 8192)
-  (n8,) = [v for run, s, il, v in pts if run == "n" and s == 8192]
-  assert n8["ours fwd"] == pytest.approx(row["ratio_ours_fwd/cudnn_fwd"], abs=1e-3)
-  assert all(il for run, s, il, v in pts if run in "ghiklno")  # round-robin runs
-  assert not any(il for run, s, il, v in pts if run in "abcdef")
+def _report(path, date, rows, legacy_meta=False):
+    meta = {"date": date} if legacy_meta else {"script": "benchmarks.kernels", "date": f"{date}T10:00:00Z"}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
 
 
-def test_packed_plot_from_recorded_runs(tmp_path):
-  """The packed panels: ours / cuDNN packed recomputed from the TFLOP/s equals the ratio kernels.py
-  stored (run ag, FreeLaw 64K), and batches where cuDNN's packed backward ran out of memory have a
-  forward point only."""
-  pytest.importorskip("matplotlib")
-  pattern = os.path.join(BENCH, "results", "kernels*_2026-12-0[34]_*.json")
-  out, packed_out = tmp_path / "dense.png", tmp_path / "packed.png"
-  plot_kernels.main(["--glob", pattern, "--out", str(out), "--packed-out", str(packed_out)])
-  assert packed_out.stat().st_size > 10_000
-  pts = plot_kernels.load_packed_points(pattern)
-  with open(os.path.join(BENCH, "results", "kernels_packed_2026-12-04_ag.json")) as fh:
-    row = next(r for r in json.load(fh)["rows"] if r["case"] == "packed freelaw 64K")
-  (ag,) = [v for run, b, v in pts if run == "ag" and b == "freelaw 64K"]
-  assert ag["ours fwd+bwd"] == pytest.approx(
-      row["ratio_ours_fwdbwd/cudnn_packed_fwdbwd"], abs=1e-3)
-  (pile,) = [v for run, b, v in pts if run == "ag" and b == "pilecc 64K"]
-  assert set(pile) == {"ours fwd"}
+def _dense(s, ours, cudnn, timing=None):
+    row = {"section": "dense", "case": f"dense {s // 1024}K", "S": s, "ours_fwd_tflops": ours[0],
+           "ours_fwdbwd_tflops": ours[1], "cudnn_fwd_tflops": cudnn[0], "cudnn_fwdbwd_tflops": cudnn[1],
+           "ratio_ours_fwd/cudnn_fwd": round(ours[0] / cudnn[0], 3)}
+    return {**row, "timing": timing} if timing else row
+
+
+@pytest.fixture
+def runs(tmp_path):
+    # A run named the old way (run letter after the date) and two harness reports.
+    _report(tmp_path / "kernels_dense_2026-12-03_n.json", "2026-12-03",
+            [_dense(8192, (450.7, 440.8), (447.8, 456.4), "interleaved")], legacy_meta=True)
+    _report(tmp_path / "kernels_dense.json", "2026-12-05",
+            [_dense(8192, (470.4, 481.1), (428.5, 474.9), "interleaved"),
+             _dense(32768, (580.1, 524.1), (572.5, 539.5), "interleaved")])
+    _report(tmp_path / "kernels_packed.json", "2026-12-04", [
+        {"section": "packed", "case": "packed freelaw 64K", "ours_fwd_tflops": 548.0,
+         "ours_fwdbwd_tflops": 489.2, "cudnn_packed_fwd_tflops": 519.0,
+         "cudnn_packed_fwdbwd_tflops": 458.1},
+        {"section": "packed", "case": "packed pilecc 64K", "ours_fwd_tflops": 502.6,
+         "ours_fwdbwd_tflops": 425.4, "cudnn_packed_fwd_tflops": 468.8,
+         "cudnn_packed_fwdbwd_error": "XlaRuntimeError: RESOURCE_EXHAUSTED"},
+        _dense(8192, (400.0, 400.0), (400.0, 400.0))])
+    return tmp_path
+
+
+def test_points_recompute_the_stored_ratios_in_run_order(runs):
+    pts = plot_kernels.load_points(str(runs / "kernels*.json"))
+    assert [(run, s) for run, s, _, _ in pts] == [
+        ("n", 8192), ("2026-12-04 kernels_packed", 8192), ("2026-12-05 kernels_dense", 8192),
+        ("2026-12-05 kernels_dense", 32768)]
+    n8 = pts[0][3]
+    assert n8["ours fwd"] == pytest.approx(450.7 / 447.8, abs=1e-3)
+    assert n8["ours fwd"] == pytest.approx(1.006, abs=1e-3)  # the ratio kernels.py stored
+    assert [il for _, _, il, _ in pts] == [True, False, True, True]
+
+
+def test_packed_points_without_a_backward_baseline(runs):
+    pts = plot_kernels.load_packed_points(str(runs / "kernels*.json"))
+    by_batch = {b: v for _, b, v in pts}
+    assert by_batch["freelaw 64K"]["ours fwd+bwd"] == pytest.approx(489.2 / 458.1)
+    assert set(by_batch["pilecc 64K"]) == {"ours fwd"}  # cuDNN's packed backward ran out of memory
+
+
+def test_plots_are_written(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, packed_out = tmp_path / "dense.png", tmp_path / "packed.png"
+    plot_kernels.main(["--glob", str(runs / "kernels*.json"), "--out", str(out),
+                       "--packed-out", str(packed_out)])
+    assert out.stat().st_size > 10_000 and packed_out.stat().st_size > 10_000
 
 
 def test_plot_without_rows_fails_loudly(tmp_path):
-  with pytest.raises(SystemExit, match="no dense rows"):
-    plot_kernels.main(["--glob", str(tmp_path / "none_*.json"), "--out", str(tmp_path / "x.png")])
-
-
-def test_run_order_puts_two_letter_runs_last():
-  runs = ["ab", "b", "aa", "z", "a", "ac"]
-  assert sorted(runs, key=plot_kernels.run_order) == ["a", "b", "z", "aa", "ab", "ac"]
+    with pytest.raises(SystemExit, match="no dense rows"):
+        plot_kernels.main(["--glob", str(tmp_path / "none_*.json"), "--out", str(tmp_path / "x.png")])

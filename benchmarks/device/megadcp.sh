@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# MegaDCP's GPU engine on one H200: its GPU tests, then its benchmark (benchmarks/megadcp_engine.py).
+#   bash benchmarks/device/megadcp.sh [PART ...]      (default: tests bench)
+# Parts:
+#   tests   tests/test_megadcp_engine_gpu.py, 4 xdist workers ($OUT/engine_tests.log)
+#   bench   python -m benchmarks.megadcp_engine $BENCH_ARGS ($OUT/engine.json)
+# Env: TEST_S, BENCH_S (timeouts), BENCH_ARGS (default --quick).
+source "$(dirname "$0")/prelude.sh"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
+  tests) if [ -f tests/test_megadcp_engine_gpu.py ]; then
+           step engine_tests "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -n 4 -p xdist \
+             tests/test_megadcp_engine_gpu.py
+         else echo "tests/test_megadcp_engine_gpu.py is not in this tree"; fi ;;
+  bench) if [ -f benchmarks/megadcp_engine.py ]; then
+           step engine "${BENCH_S:-240}" "$PY" -m benchmarks.megadcp_engine ${BENCH_ARGS:---quick} --out "$OUT/engine.json"
+         else echo "benchmarks/megadcp_engine.py is not in this tree"; fi ;;
+  *) echo "unknown part '$p' (tests bench)" >&2; exit 2 ;;
+esac; done; done

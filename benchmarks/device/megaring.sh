@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# MegaRing on one H200 through the public API.
+#   bash benchmarks/device/megaring.sh [PART ...]     (default: single demo)
+# Parts:
+#   single   megaring_single_gpu.py: the Pallas one-step path and the XLA executor on packed
+#            Pile-CC / FreeLaw 64K and ArXiv 128K ($OUT/single.json)
+#   segring  segment_ring_compute.py: the segment ring's per-GPU compute of an 8-device plan,
+#            every device emulated on this GPU, FreeLaw / ArXiv 128K ($OUT/segring.json)
+#   demo     python -m liquidcp_jax demo --tokens 16K --check sampled
+# Env: SINGLE_S, SEGRING_S, DEMO_S (timeouts), BACKENDS (single; default pallas,xla).
+source "$(dirname "$0")/prelude.sh"
+for part in "${@:-single demo}"; do for p in $part; do case "$p" in
+  single)  step single "${SINGLE_S:-320}" "$PY" -m benchmarks.megaring_single_gpu --backends "${BACKENDS:-pallas,xla}" \
+             --budget-s $(( ${SINGLE_S:-320} - 60 )) --out "$OUT/single.json" ;;
+  segring) step segring "${SEGRING_S:-400}" "$PY" -m benchmarks.segment_ring_compute --datasets freelaw,arxiv \
+             --tokens 128K --devices 8 --reps 3 --budget-s $(( ${SEGRING_S:-400} - 120 )) --out "$OUT/segring.json" ;;
+  demo)    step demo "${DEMO_S:-140}" "$PY" -m liquidcp_jax demo --tokens 16K --check sampled ;;
+  *) echo "unknown part '$p' (single segring demo)" >&2; exit 2 ;;
+esac; done; done

@@ -1,0 +1,26 @@
+# Sourced by the device suites (run from the repository root on a GPU machine). Sets the
+# environment, installs tokamax's wheels if .whl/ carries them (optional: the kernel benchmarks
+# record "tokamax import failed" without them), writes the GPU, the date and jax's version to
+# $OUT/gpu.txt, and defines `step NAME TIMEOUT_S CMD...`: CMD under a timeout, its output (without
+# the warning noise) in $OUT/NAME.log, the last $TAIL lines on the console.
+set -o pipefail
+PY=${PYTHON:-python3}  # the device image's python3 holds jax
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Never NVLink multicast (DESIGN.md); the machines set these too, keep them for child processes.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+export OUT=${OUT:-benchmarks/results/device}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader
+  date -u
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1; } | tee "$OUT/gpu.txt"
+NOISE='Warning: \|warnings.warn\|warner(\|absl\|bfc_allocator\|hlo_remat\|fragmentation\|allocation summary'
+
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($limit s): $*"
+  timeout "$limit" "$@" 2>&1 | grep -v "$NOISE" | tee "$OUT/$name.log" | tail -n "${TAIL:-40}"
+}

@@ -1,0 +1,143 @@
+"""benchmarks/harness.py (cases, timer, budget, report) and the scripts' CPU smoke runs: each
+prints its table and writes a report with the run's provenance and its rows."""
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import harness as H
+
+
+def test_select_cases_by_name_or_tags():
+    cases = [H.Case("a", {"x": 1}, ("quick",)), H.Case("b", tags=("quick", "packed")), H.Case("c")]
+    assert [c.name for c in H.select(cases, names="c,a")] == ["c", "a"]
+    assert [c.name for c in H.select(cases, tags="quick")] == ["a", "b"]
+    assert [c.name for c in H.select(cases, tags=["quick", "packed"])] == ["b"]
+    assert len(H.select(cases)) == 3 and cases[0]["x"] == 1 and cases[0].get("y", 2) == 2
+    with pytest.raises(ValueError, match="unknown case 'd'"):
+        H.select(cases, names="a,d")
+    assert H.parse_list(" x, y ,") == ["x", "y"]
+    with pytest.raises(ValueError, match="--parts: unknown 'z'"):
+        H.parse_list("x,z", allowed=("x", "y"), name="--parts")
+
+
+def _counter():
+    calls = []
+
+    def f(x):
+        calls.append(x)
+        return x + 1
+    return f, calls
+
+
+def test_time_fn_warms_up_then_times_reps():
+    f, calls = _counter()
+    t = H.time_fn(f, jnp.ones(3), reps=4, warmup=2)
+    assert len(calls) == 6 and len(t.times_s) == 4 and t.first_call_s > 0
+    assert min(t.times_s) <= t.median_s <= max(t.times_s)
+    d = t.as_dict()
+    assert d["reps"] == 4 and d["min_ms"] <= d["median_ms"] <= d["max_ms"]
+    assert H.Timing((3.0, 1.0, 2.0, 10.0), 0.0).median_s == 2.5
+    # max_seconds shrinks the timed calls, never below min_reps.
+    f, calls = _counter()
+    assert len(H.time_fn(f, 1, reps=50, warmup=1, max_seconds=0.0).times_s) == 3
+
+
+def test_round_robin_interleaves_and_records_errors():
+    order = []
+
+    def make(name, fail=False):
+        def f():
+            order.append(name)
+            if fail:
+                raise RuntimeError("out of memory")
+            return jnp.zeros(())
+        return f
+    got = H.time_round_robin({"a": (make("a"), ()), "b": (make("b", fail=True), ()),
+                              "c": (make("c"), ())}, reps=3, warmup=1)
+    assert isinstance(got["b"], RuntimeError) and len(got["a"].times_s) == len(got["c"].times_s) == 3
+    assert order == ["a", "b", "c"] + ["a", "c"] * 3  # warm-ups, then one call of each per round
+
+
+def test_run_records_errors_and_budget_skips(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    report = H.Report("benchmarks.test", str(out), ["--x"], devices=False, setting=7)
+
+    def measure(case):
+        if case.name == "bad":
+            raise ValueError("no GPU")
+        return [{"value": case["v"]}, {"case": "extra", "value": -1}]
+    H.run([H.Case("ok", {"v": 1}), H.Case("bad")], measure, report, H.Budget())
+    H.run([H.Case("late", {"v": 2})], measure, report, H.Budget(0.0))
+    d = json.loads(out.read_text())
+    assert d["rows"] == [{"case": "ok", "value": 1}, {"case": "extra", "value": -1},
+                         {"case": "bad", "error": "ValueError: no GPU"},
+                         {"case": "late", "skipped": "budget"}]
+    assert d["setting"] == 7 and d["meta"]["script"] == "benchmarks.test" and d["meta"]["argv"] == ["--x"]
+    assert {"git_sha", "date", "jax", "device_kind", "python"} <= set(d["meta"])
+    assert '"case": "ok"' in capsys.readouterr().out  # every row is printed as it lands
+
+
+def test_meta_records_the_devices_and_git():
+    m = H.meta("benchmarks.test", [])
+    assert m["platform"] == "cpu" and m["device_count"] == jax.device_count()
+    assert m["jax"] == jax.__version__ and m["date"].endswith("Z")
+    assert m["git_sha"] is None or len(m["git_sha"].split("-")[0]) == 40
+
+
+def test_table_formats_numbers_placeholders_and_suffixes():
+    t = H.Table(("name", "<6"), ("ms", ">7.2f"), ("x", ">4", "x"))
+    assert t.header() == "name        ms     x"
+    assert t.row("ab", 1.234, 3) == "ab        1.23    3x"
+    assert t.row("ab", None, "err") == "ab           -   err"
+    with pytest.raises(ValueError, match="2 cells for 3 columns"):
+        t.row("a", 1.0)
+
+
+# ----------------------------------------------------------------------------- CPU smoke runs
+
+def _check_report(res, out, script):
+    d = json.loads(out.read_text())
+    assert d["meta"]["script"] == script and d["rows"] and d == json.loads(json.dumps(res, default=str))
+    return d["rows"]
+
+
+def test_kernels_smoke_records_every_implementation(tmp_path, capsys):
+    from benchmarks import kernels
+    out = tmp_path / "k.json"
+    res = kernels.main(["--preset", "smoke", "--sections", "dense", "--out", str(out)])
+    (row,) = _check_report(res, out, "benchmarks.kernels")
+    # On a CPU our kernels and cuDNN fail; each failure is recorded under its own name.
+    assert row["case"] == "dense 256" and row["S"] == 256
+    assert {"ours_fwd_error", "ours_fwdbwd_error", "cudnn_fwd_error"} <= set(row)
+    assert "dense 256" in capsys.readouterr().out.split("TFLOP/s (effective")[1]
+    assert kernels.main(["--preset", "smoke", "--dry-run", "--variants"]) is None
+
+
+def test_kernel_trace_smoke(tmp_path):
+    from benchmarks import kernel_trace
+    out = tmp_path / "t.json"
+    res = kernel_trace.main(["--dense", "256", "--reps", "1", "--out", str(out)])
+    rows = _check_report(res, out, "benchmarks.kernel_trace")
+    assert [r["impl"] for r in rows] == ["ours fwd", "cudnn fwd"] and all("error" in r for r in rows)
+
+
+@pytest.mark.filterwarnings("ignore:Mooncake trace")  # no trace file here: the seeded generator
+def test_host_scripts_smoke(tmp_path):
+    from benchmarks import dcp_planner, mooncake_snapshots, xla_executor_memory
+    out = tmp_path / "mem.json"
+    rows = _check_report(xla_executor_memory.main(["--lengths", "2048", "--out", str(out)]), out,
+                         "benchmarks.xla_executor_memory")
+    assert [r["program"] for r in rows] == ["forward", "forward+backward"]
+    assert all(r["temp_gib"] > 0 for r in rows)
+    out = tmp_path / "mc.json"
+    rows = _check_report(mooncake_snapshots.main(["--snapshots", "4", "--trace", "synthetic", "--out",
+                                                  str(out)]), out, "benchmarks.mooncake_snapshots")
+    assert [r["scale"] for r in rows] == [1, 2, 4]
+    assert len(json.loads(out.read_text())["snapshots"]) == 12
+    out = tmp_path / "dcp.json"
+    assert dcp_planner.main(["--batches", "1", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [(r["kind"], r["dcp"]) for r in d["rows"]] == [(k, p) for k in ("mixed", "decode") for p in (2, 4, 8)]
+    assert d["meta"]["script"] == "benchmarks.dcp_planner"
