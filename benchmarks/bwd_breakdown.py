@@ -19,6 +19,7 @@ MOSAIC_GPU_DUMP_TO=dir`` to keep ptxas' report per kernel (``--parts bwd,fused -
 from __future__ import annotations
 
 import argparse
+import math
 
 from benchmarks import attention as A
 from benchmarks import harness as H
@@ -28,8 +29,7 @@ PARTS = ("tables", "prep", "dq", "dkv", "bwd", "fwd_rr", "bwd_rr", "fused")
 DEFAULT_PARTS = "tables,prep,dq,dkv,bwd,fwd_rr"
 DQ_SWEEP = ((128, 2), (64, 2), (64, 3), (64, 4))          # (block_kv_dq, max_concurrent_steps)
 DKV_SWEEP = (2, 3, 4)                                      # max_concurrent_steps
-FWD_ROUND_ROBIN = ("fwd_plain", "fwd_persistent", "fwd_plain_named_release",
-                   "fwd_persistent_named_release")
+FWD_ROUND_ROBIN = ("fwd_plain", "fwd_persistent")
 BWD_ROUND_ROBIN = ("two_kernel_mbarrier", "two_kernel_named", "fused", "fused_named")
 FUSED = ("fused", "fused_mcs3")
 
@@ -72,12 +72,11 @@ class Breakdown:
                                    causal=True, xp=self.jnp)
 
     def _prepped(self):
-        from liquidcp_jax.pallas import tile_attention_fwd as fwd
         jnp = self.jnp
 
-        def prep(do, out, lse):
+        def prep(do, out, lse):  # the kernels' inputs: delta and the LSE in base 2
             delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
-            lse2 = jnp.where(jnp.isfinite(lse), lse * fwd._LOG2E, jnp.inf).T
+            lse2 = jnp.where(jnp.isfinite(lse), lse * math.log2(math.e), jnp.inf).T
             return delta, lse2
         return self.jax.jit(prep)
 

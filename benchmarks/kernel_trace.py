@@ -105,7 +105,7 @@ def trace_calls(f, args, n, **summarize_kw):
   return summarize(max(files, key=os.path.getmtime), n, **summarize_kw)
 
 
-DEFAULT_VARIANTS = "named_release,two_kernel,fused,mbarrier_bwd"
+DEFAULT_VARIANTS = "two_kernel,fused,mbarrier_bwd"
 
 
 def implementations(seg, bwd, variants, baselines):

@@ -23,28 +23,17 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {
-    # Forward: the two kernels forced (the default picks by tokens per segment slot,
-    # TuningConfig.use_persistent), tiles, ring depth.
+    # Forward: the two kernels forced (the default picks by tokens per segment slot), tiles,
+    # ring depth.
     "fwd_plain": Variant("fwd", {"persistent": False}),
     "fwd_persistent": Variant("fwd", {"persistent": True}),
     "fwd_bkv64": Variant("fwd", {"block_kv": 64}),
     "fwd_mcs3": Variant("fwd", {"max_concurrent_steps": 3}),
-    # Forward ping-pong on an SMEM mbarrier meeting instead of the named-barrier one.
-    "fwd_plain_mbarrier_sched": Variant("fwd", {"persistent": False, "named_sched": False}),
-    "fwd_persistent_mbarrier_sched": Variant("fwd", {"persistent": True, "named_sched": False}),
-    # Forward K/V ring slots released on named barriers instead of an mbarrier.
-    "mbarrier_release": Variant("fwd", {"named_kv_release": False}),
-    "named_release": Variant("fwd", {"named_kv_release": True}),
-    "fwd_plain_named_release": Variant("fwd", {"persistent": False, "named_kv_release": True}),
-    "fwd_persistent_named_release": Variant("fwd", {"persistent": True, "named_kv_release": True}),
-    # The forward table launched sequence by sequence.
-    "fwd_segment": Variant("fwd", {"task_order": "segment"}),
     # Backward: the two kernels or the fused one forced (the default picks per batch).
     "two_kernel": Variant("bwd", {"fused": False}),
     "fused": Variant("bwd", {"fused": True}),
     "two_kernel_dq128": Variant("bwd", {"fused": False, "block_kv_dq": 128}),
     "dq128": Variant("bwd", {"block_kv_dq": 128}),
-    "fused_wg": Variant("bwd", {"fused": True, "fused_split": "wg"}),
     "fused_mcs3": Variant("bwd", {"fused": True, "max_concurrent_steps": 3}),
     # Named barriers for the backward's hand-overs (default: on for two kernels, off for fused).
     "named_barriers": Variant("bwd", {"named_barriers": True}),
@@ -56,19 +45,6 @@ VARIANTS: dict[str, Variant] = {
     "mcs3": Variant("bwd", {"max_concurrent_steps": 3}),
     "mcs4": Variant("bwd", {"max_concurrent_steps": 4}),
     "mcs3_named": Variant("bwd", {"max_concurrent_steps": 3, "named_barriers": True}),
-    # The fused kernel's schedule options one at a time (the default has both).
-    "fused_v1": Variant("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 1}),
-    "fused_dqearly": Variant("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 1}),
-    "fused_ds2": Variant("bwd", {"fused": True, "fused_dq_early": False, "fused_ds_stages": 2}),
-    "fused_dqearly_ds2": Variant("bwd", {"fused": True, "fused_dq_early": True, "fused_ds_stages": 2}),
-    # Tasks with keys of a neighbouring segment: every tile masked instead of the per-row bias.
-    "fused_no_row_bias": Variant("bwd", {"fused": True, "fused_row_bias": False}),
-    # Backward tables launched sequence by sequence (the default) or heaviest task first over the
-    # whole batch.
-    "fused_seg": Variant("bwd", {"fused": True, "task_order": "segment"}),
-    "two_kernel_seg": Variant("bwd", {"fused": False, "task_order": "segment"}),
-    "fused_work": Variant("bwd", {"fused": True, "task_order": "work"}),
-    "two_kernel_work": Variant("bwd", {"fused": False, "task_order": "work"}),
 }
 
 
