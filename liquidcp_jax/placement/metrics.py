@@ -211,6 +211,6 @@ def shard_lower_bound(lengths, num_devices: int, **kwargs) -> int:
     a sequence on fewer devices alone pushes one of them past a tolerance.  Not a strict lower
     bound for :func:`imbalance`, which measures against the padded means: padding of split
     sequences raises the means, and placements meeting both tolerances with fewer shards exist
-    (RESULTS.md, placement section; ``buddyring.capsearch.size_floor`` is a valid bound).
+    (docs/results.md, placement section; ``buddyring.capsearch.size_floor`` is a valid bound).
     Keyword arguments as there."""
     return int(min_group_sizes(lengths, num_devices, **kwargs).sum())

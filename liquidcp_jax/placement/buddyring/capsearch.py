@@ -30,7 +30,7 @@ meets both tolerances within the cap.  Every limit is a count, never a clock: th
 and bound visits at most ``clip(2_000_000 // S**2, 500, 20000)`` nodes; the beam (skipped
 when the cap is below the A.1 floor ``sum gmin``) makes at most ``clip(12000 // S, 60, 800)``
 local-search calls of at most 16 steps each and stops after 4 levels without progress (see
-:func:`cap_search`).  On the 2-core CPU of ``benchmarks/RESULTS.md`` a search that finds
+:func:`cap_search`).  On the 2-core CPU of ``docs/results.md`` a search that finds
 nothing costs about 0.1-1 s; one that succeeds, mostly a few ms to a few hundred.  Loads,
 units and group ids are those of :mod:`.packing` (``pb``: a :class:`~.problem.Problem`).
 """

@@ -38,7 +38,7 @@ class BuddyRingConfig:
       max_tokens_per_device: optional per-device token budget; a sequence over it even on the
         widest group raises ``ValueError``.
 
-    Not in the paper (``benchmarks/RESULTS.md`` has the measurements):
+    Not in the paper (``docs/results.md`` has the measurements):
       balance_sum: rank ``D_T + D_W`` after the distinct-group count and before the paper's
         final ``D_W``, ``D_T``.  Every earlier criterion keeps the paper's order, so this only
         decides among placements with the same ``V``, profile, comm proxy and distinct groups;

@@ -16,7 +16,7 @@ distinct groups, balance).  :func:`buddyring_search` runs, in order:
 ``balance_sum`` (on by default) ranks ``D_T + D_W`` between the distinct-group count and the
 paper's final ``D_W``, ``D_T``: with the literal order, repair spends the tolerance slack on
 ``D_W`` alone and FreeLaw 128K ends at mean ``D_T`` 8.1 % against the paper's 6.4 %
-(``benchmarks/RESULTS.md``).  Everything is deterministic: ties go to the lower index.
+(``docs/results.md``).  Everything is deterministic: ties go to the lower index.
 """
 from __future__ import annotations
 
