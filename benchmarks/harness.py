@@ -1,7 +1,7 @@
 """The one harness every benchmark script runs on: cases as data, a timer, a time budget with
 progress, and a JSON report.
 
-A script declares its cases as a tuple of :class:`Case` (a name, parameters, tags; the style of
+A script declares its cases as a list of :class:`Case` (a name and parameters; the style of
 tokamax's ``bench_arg_specs.py``), selects some from its command line (:func:`select`), and hands
 them with a ``measure(case) -> row`` function to :func:`run`, which skips what the budget leaves
 out, records an exception as the case's error row, shows progress and rewrites the report after
@@ -46,11 +46,10 @@ def latest(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One benchmark case as data: ``name`` (unique in its script), ``params`` for the script's
-    measure function, and ``tags`` that command lines select by (``--tags quick``)."""
+    """One benchmark case as data: ``name`` (unique in its script) and ``params`` for the script's
+    measure function."""
     name: str
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    tags: tuple[str, ...] = ()
 
     def __getitem__(self, key):
         return self.params[key]
@@ -59,22 +58,19 @@ class Case:
         return self.params.get(key, default)
 
 
-def select(cases: Iterable[Case], names: str | Sequence[str] | None = None,
-           tags: str | Sequence[str] | None = None) -> list[Case]:
-    """The cases named in ``names`` (comma string or list; in that order) or, without names, those
-    carrying every tag of ``tags``. ValueError naming an unknown case."""
+def select(cases: Iterable[Case], names: str | Sequence[str] | None = None) -> list[Case]:
+    """The cases named in ``names`` (a comma string or a list; in that order), or all of them
+    without names. ValueError naming an unknown case and the known ones."""
     cases = list(cases)
-    split = lambda s: [x.strip() for x in (s.split(",") if isinstance(s, str) else s) if x.strip()]
-    if names:
-        by_name = {c.name: c for c in cases}
-        out = []
-        for n in split(names):
-            if n not in by_name:
-                raise ValueError(f"unknown case {n!r}; expected some of {sorted(by_name)}")
-            out.append(by_name[n])
-        return out
-    want = set(split(tags or ()))
-    return [c for c in cases if want <= set(c.tags)]
+    if not names:
+        return cases
+    by_name = {c.name: c for c in cases}
+    out = []
+    for n in (parse_list(names) if isinstance(names, str) else names):
+        if n not in by_name:
+            raise ValueError(f"unknown case {n!r}; expected some of {sorted(by_name)}")
+        out.append(by_name[n])
+    return out
 
 
 def parse_list(spec: str | None, *, allowed: Iterable[str] | None = None, name: str = "list") -> list[str]:

@@ -227,6 +227,7 @@ def parse_args(argv=None):
   ap.add_argument("--tokens", default="64K", help="token counts of the packed batches")
   ap.add_argument("--uniform", default="",
                   help="sequence lengths of uniform packed batches of --tokens tokens, e.g. 4K,6K")
+  ap.add_argument("--cases", dest="case_names", default=None, help="comma list of case names to run, e.g. 'arxiv 64K'")
   ap.add_argument("--bwd", action="store_true", help="also trace forward+backward")
   ap.add_argument("--variants", nargs="?", const=DEFAULT_VARIANTS, default="",
                   help="comma list of named configs of ours to trace too (benchmarks/variants.py); "
@@ -252,7 +253,8 @@ def main(argv=None):
   budget = H.Budget(a.budget_s)
   report = H.Report("benchmarks.kernel_trace", a.out, argv, quiet=("planes",), reps=a.reps, rounds=a.rounds,
                     tokamax=tokamax if isinstance(tokamax, str) else "ok")
-  H.run(cases(a), lambda c: measure(c, a, a.variant_names, tokamax), report, budget)
+  H.run(H.select(cases(a), a.case_names), lambda c: measure(c, a, a.variant_names, tokamax), report,
+        budget)
   print_table(report.rows)
   budget.log(f"wrote {a.out}")
   return report.data

@@ -68,7 +68,7 @@ def build_cases(a) -> list[H.Case]:
                 cases.append(H.Case(f"packed {name} {k(t)}", {"section": "packed",
                                                                "lens": tuple(lens.tolist())}))
     sections = H.parse_list(a.sections, allowed=SECTIONS, name="--sections") or SECTIONS
-    return [c for c in cases if c["section"] in sections]
+    return H.select([c for c in cases if c["section"] in sections], a.case_names)
 
 
 class Bench:
@@ -257,6 +257,8 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", default=None, help="packed token counts, e.g. 64K,128K")
     ap.add_argument("--datasets", default=None, help="packed datasets, e.g. freelaw,arxiv")
     ap.add_argument("--sections", default=None, help=f"comma list of {SECTIONS} (default all)")
+    ap.add_argument("--cases", dest="case_names", default=None,
+                    help="comma list of case names to run (see --dry-run), e.g. 'packed arxiv 128K'")
     ap.add_argument("--variants", nargs="?", const=DEFAULT_VARIANTS, default="",
                     help="named configs (benchmarks/variants.py) to time in the variants section; "
                          f"bare --variants: {DEFAULT_VARIANTS}")

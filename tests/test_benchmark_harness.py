@@ -9,11 +9,10 @@ import pytest
 from benchmarks import harness as H
 
 
-def test_select_cases_by_name_or_tags():
-    cases = [H.Case("a", {"x": 1}, ("quick",)), H.Case("b", tags=("quick", "packed")), H.Case("c")]
+def test_select_cases_by_name():
+    cases = [H.Case("a", {"x": 1}), H.Case("b"), H.Case("c")]
     assert [c.name for c in H.select(cases, names="c,a")] == ["c", "a"]
-    assert [c.name for c in H.select(cases, tags="quick")] == ["a", "b"]
-    assert [c.name for c in H.select(cases, tags=["quick", "packed"])] == ["b"]
+    assert [c.name for c in H.select(cases, names=["b"])] == ["b"]
     assert len(H.select(cases)) == 3 and cases[0]["x"] == 1 and cases[0].get("y", 2) == 2
     with pytest.raises(ValueError, match="unknown case 'd'"):
         H.select(cases, names="a,d")
@@ -113,6 +112,8 @@ def test_kernels_smoke_records_every_implementation(tmp_path, capsys):
     assert {"ours_fwd_error", "ours_fwdbwd_error", "cudnn_fwd_error"} <= set(row)
     assert "dense 256" in capsys.readouterr().out.split("TFLOP/s (effective")[1]
     assert kernels.main(["--preset", "smoke", "--dry-run", "--variants"]) is None
+    a = kernels.parse_args(["--preset", "smoke", "--cases", "packed pilecc 2K,dense 256"])
+    assert [c.name for c in a.cases] == ["packed pilecc 2K", "dense 256"]
 
 
 def test_kernel_trace_smoke(tmp_path):
