@@ -29,7 +29,7 @@ def _check(lengths, n, p, cap):
 
 
 # Batches where an integer program found a placement within Megatron's shard count meeting
-# both tolerances but the earlier max_shards mode missed it (benchmarks/results/placement*.json,
+# both tolerances but the earlier max_shards mode missed it (benchmarks/results/latest/placement*.json,
 # "exact"): found by the branch and bound (ArXiv), by the beam and its iterated local search,
 # and two that need a sequence below its A.1 minimum size (ProLong 64K 8, GitHub 64K 53).
 MISSED_BEFORE = [("arxiv", "128K", 5), ("arxiv", "128K", 9), ("arxiv", "128K", 17),

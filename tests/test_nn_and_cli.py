@@ -12,7 +12,6 @@ import liquidcp_jax as lcp
 from liquidcp_jax import nn as lnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
 def test_attention_module_cp_equals_single_device(rng):
@@ -31,7 +30,7 @@ def test_attention_module_cp_equals_single_device(rng):
 
 
 def test_train_example_losses_match():
-    import train_flax_cp as ex
+    from examples import train_flax_cp as ex  # the repository root is on pytest's pythonpath
     mesh = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     cp, dense = ex.train(20, [200, 57, 1, 130, 96, 28], "buddyring", mesh, log=lambda *_: None)
     assert len(cp) == 20 and cp[-1] < cp[0] * 0.5        # it trains
