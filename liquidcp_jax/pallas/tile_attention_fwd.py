@@ -124,6 +124,7 @@ class StepCtx(NamedTuple):
   interpret: bool
   named_sched: bool
   wg: Any
+  row_div: int = 1  # causal rule uses tile row r // row_div (MegaDCP engine: heads per token)
 
   @property
   def uses_named_barrier(self) -> bool:
@@ -198,7 +199,8 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
     kk = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
     ok = (kk >= cx.kv_lo) & (kk < cx.kv_hi)
     if cx.causal:
-      ok = ok & (kk <= rr + cx.diag)
+      tok = rr if cx.row_div == 1 else lax.div(rr, jnp.int32(cx.row_div))
+      ok = ok & (kk <= tok + cx.diag)
     s = jnp.where(ok, s, -jnp.inf)
   m_new = jnp.maximum(m_i, s.max(axis=1))
   if masked:

@@ -1,0 +1,584 @@
+"""MegaDCP GPU engine: one persistent Pallas Mosaic GPU kernel runs a rank's whole decode step
+(paper §5.1, §6.2; Hopper sm_90a).
+
+Grid: one CTA per SM (``EngineConfig.num_ctas``, default the SM count). Each CTA has three
+warpgroups: two compute warpgroups (64 query rows each of a 128-row task tile) and one TMA
+producer, exactly as the persistent tile-attention forward (:mod:`tile_attention_fwd_persistent`,
+whose online-softmax step :func:`tile_attention_fwd.softmax_step` and ping-pong it reuses). A CTA
+walks its static work list (:mod:`megadcp_engine_tables`, packed on the host from the plan's
+descriptor tables; fixed capacities, so steps of one capacity bucket reuse one compiled kernel):
+
+1. **attention tasks** in the plan's queue order: chunk tasks (a tile of new queries x this
+   step's new KV, causal), then history tasks (a query tile with all gathered heads packed as MMA
+   rows, ``row = token * heads + head``, e.g. 16 tokens x 8 heads = 128 rows, against one split's
+   range of the rank's history shard, TMA-loaded from the laid-out cache). Each writes its partial
+   state (f32 out, natural-log LSE; 128 rows) to its slot of ``part_o`` / ``part_lse`` and then,
+   fused, adds 1 to its reduction item's counter (one ``pl.get_global`` semaphore per item and
+   64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release add);
+2. **reduction items**, after all of the CTA's attention tasks: wait until the item's counter
+   reaches its input count (``semaphore_wait(value=n_in, decrement=False)``), merge the input
+   partial states (TMA into SMEM, double-buffered, merged in registers) and write:
+   with ``P = 1`` (``final``) the final output rows (chunk + every history split of one query
+   tile: history and final reduction in one pass); with ``P > 1`` the reduced history state of a
+   split query tile (the query all-gather before the kernel and the result all-to-all plus final
+   merge after it stay XLA collectives, because in-kernel peer transfers cannot run on the one
+   GPU we have).
+
+**Why it cannot deadlock.** Launches are not cooperative, so a spin-wait is safe only if the
+work it waits for can always run. (i) Attention tasks never wait on anything but their own CTA's
+TMA barriers. (ii) Every CTA's list runs all its attention tasks before any reduction, and only
+attention tasks signal counters (reductions only wait), so a waited-for counter depends only on
+attention tasks, which never wait. (iii) The grid is at most the SM count and at least one CTA
+fits on an SM (SMEM ~225 KiB at ``D = 128``, ~115 KiB at 64; 384 threads), so every CTA is
+resident at once, or becomes resident as soon as a CTA of another kernel (which does not wait
+for ours) leaves its SM; a CTA of ours that spins holds its SM, but by (ii) the CTAs it waits
+for need nothing from it, and they hold or will get an SM of their own. Hence every counter
+reaches its target. :func:`megadcp_engine_tables.simulate_protocol` checks
+(i)-(ii) and the exactly-once coverage of every (query, key) pair on the tables.
+Counters are zeroed by XLA before every launch (``pl.get_global``), so no epochs are needed.
+
+``EngineConfig(fused=False)`` runs the same two phases as two launches with no semaphores (the
+attention launch, then the reduction launch): the stage-serialized structure of the vLLM FA3
+path on the same tiles (a baseline), and the mode the CPU interpreter can run (it has no
+semaphores).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from liquidcp_jax import state as st
+from liquidcp_jax.pallas import megadcp_engine_tables as et
+from liquidcp_jax.pallas.common import (LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params,
+                                        ladder_store, masked_split_loop, swizzled)
+from liquidcp_jax.pallas.sync import RingRelease
+from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_BQ = 64                 # rows per compute warpgroup
+_ROWS = et.TILE_ROWS     # rows per task tile (two warpgroups)
+_MOSAIC_OVERHEAD = 256   # barriers (reduction_scratch_bytes=0: row reductions need no SMEM)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine tuning.
+
+    ``block_kv``: keys per KV tile; ``max_concurrent_steps``: KV ring slots (2 at ``D = 128``:
+    the f32 partial-state staging takes the third slot's SMEM); ``num_ctas``: grid size
+    (default: SM count); ``fused``: one launch with device-side counters (False: attention
+    launch + reduction launch, no semaphores). The compute warpgroups' ping-pong runs on
+    hardware named barriers on the GPU (the tile-attention forward's schedule; the interpreter
+    uses an mbarrier).
+    """
+    block_kv: int = 128
+    max_concurrent_steps: int = 2
+    num_ctas: int | None = None
+    fused: bool = True
+
+    def __post_init__(self):
+        if self.block_kv not in (64, 128):
+            raise ValueError(f"block_kv must be 64 or 128, got {self.block_kv!r}")
+        if self.max_concurrent_steps not in (2, 3, 4):
+            raise ValueError(f"max_concurrent_steps must be 2, 3 or 4, got "
+                             f"{self.max_concurrent_steps!r}")
+        if self.num_ctas is not None and (isinstance(self.num_ctas, bool)
+                                          or int(self.num_ctas) != self.num_ctas
+                                          or self.num_ctas < 1):
+            raise ValueError(f"num_ctas must be None or an int >= 1, got {self.num_ctas!r}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be a bool, got {self.fused!r}")
+
+    def grid(self) -> int:
+        if self.num_ctas is not None:
+            return int(self.num_ctas)
+        from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
+        return num_sms()
+
+
+def smem_bytes(config: EngineConfig, head_dim: int, itemsize: int, final: bool) -> int:
+    """Estimated SMEM of the engine (the larger of its two phases, plus Mosaic's overhead)."""
+    d, mcs, bkv = head_dim, config.max_concurrent_steps, config.block_kv
+    attn = (aligned(2 * _BQ * d * itemsize) + 2 * aligned(mcs * bkv * d * itemsize)
+            + aligned(2 * _BQ * d * 4) + aligned(2 * _BQ * 4))
+    red = (aligned(4 * _BQ * d * 4) + aligned(4 * _BQ * 4)
+           + aligned(2 * _BQ * d * (itemsize if final else 4)) + aligned(2 * _BQ * 4))
+    return max(attn, red) + _MOSAIC_OVERHEAD
+
+
+def check_inputs(dtype, head_dim, config: EngineConfig, final: bool):
+    """ValueError naming the argument for what the engine cannot run."""
+    if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be bfloat16 or float16 for the MegaDCP engine, got "
+                         f"{jnp.dtype(dtype)}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128 for the MegaDCP engine, got {head_dim}")
+    need = smem_bytes(config, head_dim, jnp.dtype(dtype).itemsize, final)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"config: max_concurrent_steps={config.max_concurrent_steps} with "
+                         f"block_kv={config.block_kv} needs ~{need} bytes of SMEM at head_dim="
+                         f"{head_dim}, over the {SMEM_LIMIT}-byte limit; use "
+                         f"max_concurrent_steps=2")
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _attention_phase(cx_static, refs, bars, sems):
+    """Phase 1: the CTA's attention tasks (compute warpgroups 0/1, TMA producer warpgroup 2)."""
+    (d, dtype, mcs, bkv, scale2, hq, interpret, fused) = cx_static
+    attn_ref, off_ref, qc_ref, qh_ref, kn_ref, vn_ref, kh_ref, vh_ref, po_ref, pl_ref = refs
+    q_bar, k_bar, v_bar, k_used, v_used, q_free, sched = bars
+    cta = lax.axis_index("sm")
+    wg = lax.axis_index("wg")
+    fa = et.FA
+    a0, a1 = off_ref[0, cta], off_ref[0, cta + 1]
+
+    def body(q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2):
+        k_release, v_release = RingRelease(k_used), RingRelease(v_used)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            r0 = wg * _BQ
+            o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+
+            def run(i, c0):
+                get = lambda name: attn_ref[i, fa[name]]  # noqa: E731
+                n_tiles = get("n_tiles")
+                plgpu.barrier_wait(q_bar.at[wg])
+                m_i = plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((_BQ,), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((_BQ, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+                @pl.when(n_tiles > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(c0, jnp.int32(mcs))])
+
+                cx = StepCtx(q_smem2.at[wg], k_smem, v_smem, p_smem2.at[wg] if interpret else None,
+                             k_bar, v_bar, k_release, v_release, sched, r0, get("kv_lo"),
+                             get("kv_hi"), get("diag"), n_tiles,
+                             lambda j: lax.rem(c0 + j, jnp.int32(mcs)), _BQ, bkv, d, dtype, True,
+                             scale2, interpret, True, wg, hq)
+                cx.sched_start()
+
+                def step(j, carry, masked):
+                    def release_q():   # last Q K^T done: the producer may load the next Q
+                        pl.when(j == n_tiles - 1)(lambda: plgpu.barrier_arrive(q_free))
+                    return softmax_step(cx, j, carry, masked=masked, after_qk=release_q)
+
+                acc, m_i, l_i = masked_split_loop(step, 0, get("full_lo"), get("full_hi"), n_tiles,
+                                                  (acc, m_i, l_i))
+                pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # empty task
+                cx.sched_end(wait=True)
+                empty = l_i == 0.0
+                inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last task's stores read o_smem
+                o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+                lse_smem[...] = jnp.where(empty, -jnp.inf,
+                                          m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+                plgpu.commit_smem()
+                slot = get("slot")
+                plgpu.copy_smem_to_gmem(o_smem, po_ref.at[slot, pl.ds(r0, _BQ)])
+                plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
+                if sems is not None:
+                    sig = get("signal")
+
+                    @pl.when(sig >= 0)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0)   # the partial state is in GMEM: publish it
+                        plgpu.semaphore_signal(sems.at[2 * sig + wg], 1, memory_scope="gpu")
+                return c0 + n_tiles
+
+            lax.fori_loop(a0, a1, run, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def run(i, c0):
+                get = lambda name: attn_ref[i, fa[name]]  # noqa: E731
+                n_tiles, kind = get("n_tiles"), get("kind")
+                base = pl.multiple_of(get("kv_base"), et.ROW_ALIGN)
+                q_row = pl.multiple_of(get("q_row"), et.ROW_ALIGN)   # heads padded to 8
+
+                @pl.when(i > a0)
+                def _():
+                    plgpu.barrier_wait(q_free)
+
+                for src_kind, q_ref in ((0, qc_ref), (1, qh_ref)):
+                    @pl.when((n_tiles > 0) & (kind == src_kind))
+                    def _():
+                        for w in range(2):
+                            rows = pl.ds(pl.multiple_of(q_row + w * _BQ, et.ROW_ALIGN), _BQ)
+                            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem2.at[w], q_bar.at[w])
+
+                @pl.when(n_tiles == 0)
+                def _():
+                    for w in range(2):
+                        plgpu.barrier_arrive(q_bar.at[w])
+
+                @pl.loop(0, n_tiles)
+                def _(j):
+                    c = c0 + j
+                    slot = lax.rem(c, jnp.int32(mcs))
+
+                    @pl.when(c >= mcs)
+                    def _():
+                        k_release.wait(slot)
+                        v_release.wait(slot)
+
+                    rows = pl.ds(base + j * bkv, bkv)
+                    for src_kind, k_ref, v_ref in ((0, kn_ref, vn_ref), (1, kh_ref, vh_ref)):
+                        @pl.when(kind == src_kind)
+                        def _():
+                            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+                            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+                return c0 + n_tiles
+
+            total = lax.fori_loop(a0, a1, run, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(total - mcs, 0), total)
+            def _(c):   # observe the last consumptions so every barrier phase is seen
+                k_release.wait(lax.rem(c, jnp.int32(mcs)))
+                v_release.wait(lax.rem(c, jnp.int32(mcs)))
+
+            @pl.when(a1 > a0)
+            def _():
+                plgpu.barrier_wait(q_free)   # the last task's Q release
+
+    tf = swizzled()
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, _BQ, d), dtype, transforms=tf),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+        plgpu.SMEM((2, _BQ, d), jnp.float32),
+        plgpu.SMEM((2, _BQ), jnp.float32),
+        plgpu.SMEM((2, _BQ, bkv), dtype, transforms=tf) if interpret else None,
+        collective_axes="wg")
+
+
+def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems):
+    """Phase 2: the CTA's reduction items (compute warpgroups; each merges its 64-row half)."""
+    red_ref, red_in_ref, off_ref, po_ref, pl_ref, out_refs = refs
+    cta = lax.axis_index("sm")
+    wg = lax.axis_index("wg")
+    fr = et.FR
+    u0, u1 = off_ref[1, cta], off_ref[1, cta + 1]
+    row_l = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(in_o, in_l, st_o, st_l):
+        @pl.when(wg < 2)
+        def _():
+            r0 = wg * _BQ
+
+            def item(i, _):
+                get = lambda name: red_ref[i, fr[name]]  # noqa: E731
+                n_in, start = get("n_in"), get("in_start")
+                if sems is not None:
+                    plgpu.semaphore_wait(sems.at[2 * get("counter") + wg], n_in, decrement=False,
+                                         memory_scope="gpu")
+
+                def issue(k):
+                    b = lax.rem(k, 2)
+                    s = red_in_ref[start + k]
+                    plgpu.commit_smem()   # every thread finished reading the buffer we refill
+                    plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ)], in_o.at[wg, b],
+                                            in_bar.at[2 * wg + b])
+                    plgpu.copy_gmem_to_smem(pl_ref.at[s, pl.ds(r0, _BQ)], in_l.at[wg, b],
+                                            in_bar.at[2 * wg + b])
+
+                issue(0)
+
+                def merge(k, carry):
+                    acc, m, l = carry
+                    b = lax.rem(k, 2)
+                    pl.when(k + 1 < n_in)(lambda: issue(k + 1))
+                    plgpu.barrier_wait(in_bar.at[2 * wg + b])
+                    o_k = plgpu.load(in_o.at[wg, b], layout=plgpu.Layout.WGMMA)
+                    l_k = plgpu.load(in_l.at[wg, b], layout=row_l)
+                    m_new = jnp.maximum(m, l_k)
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no NaN for empty rows
+                    a = jnp.exp(m - m_use)
+                    w = jnp.exp(l_k - m_use)
+                    acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
+                           + o_k * lax.broadcast_in_dim(w, acc.shape, [0]))
+                    return acc, m_new, l * a + w
+
+                init = (plgpu.layout_cast(jnp.full((_BQ, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+                        plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
+                        plgpu.layout_cast(jnp.full((_BQ,), 0.0, jnp.float32), row_l))
+                acc, m, l = lax.fori_loop(0, n_in, merge, init)
+                empty = l == 0.0
+                out = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l), acc.shape, [0])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last item's stores read st_*
+                dst = get("dst_row")
+                if final:
+                    (out_ref,) = out_refs
+                    st_o.at[wg][...] = out.astype(dtype)
+                    plgpu.commit_smem()
+                    n = jnp.clip(get("n_rows") - r0, 0, _BQ)
+                    ladder_store(st_o.at[wg], lambda off, nn: out_ref.at[pl.ds(dst + r0 + off, nn)],
+                                  0, n, _BQ)
+                else:
+                    ro_ref, rl_ref = out_refs
+                    st_o.at[wg][...] = out
+                    st_l.at[wg][...] = jnp.where(empty, -jnp.inf,
+                                                 jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(st_o.at[wg], ro_ref.at[dst, pl.ds(r0, _BQ)])
+                    plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
+                return 0
+
+            lax.fori_loop(u0, u1, item, 0)
+            plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, 2, _BQ, d), jnp.float32),
+        plgpu.SMEM((2, 2, _BQ), jnp.float32),
+        plgpu.SMEM((2, _BQ, d), dtype if final else jnp.float32),
+        plgpu.SMEM((2, _BQ), jnp.float32),
+        collective_axes="wg")
+
+
+def _phase1_barriers(mcs):
+    return ((plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=mcs),
+             plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+             plgpu.Barrier(num_arrivals=2, num_barriers=mcs), plgpu.Barrier(num_arrivals=2),
+             plgpu.Barrier(num_arrivals=2)))
+
+
+@functools.lru_cache(maxsize=64)
+def _build(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str, scale: float,
+           interpret: bool):
+    """The engine's launch(es) for one compile key: a function of the device arrays."""
+    dtype = jnp.dtype(dtype_name)
+    mcs, bkv = config.max_concurrent_steps, config.block_kv
+    G, final = shape.num_ctas, shape.final
+    A_cap, U_cap = shape.attn_cap, shape.red_cap
+    cx_static = (d, dtype, mcs, bkv, float(scale) * LOG2E, shape.hq_pad, interpret, config.fused)
+    part_types = (jax.ShapeDtypeStruct((A_cap, _ROWS, d), jnp.float32),
+                  jax.ShapeDtypeStruct((A_cap, _ROWS), jnp.float32))
+    if final:
+        res_types = (jax.ShapeDtypeStruct((shape.tq_cap * shape.hq_pad, d), dtype),)
+    else:
+        res_types = (jax.ShapeDtypeStruct((U_cap, _ROWS, d), jnp.float32),
+                     jax.ShapeDtypeStruct((U_cap, _ROWS), jnp.float32))
+    kw = dict(grid=(G,), grid_names=("sm",), num_threads=3, thread_name="wg",
+              compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
+    kw.update(interpret_params(interpret))
+
+    if config.fused:
+        def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *outs):
+            res_refs, (po_ref, pl_ref) = outs[:len(res_types)], outs[len(res_types):]
+            # The interpreter has no semaphores and runs CTAs one after another: there the fused
+            # kernel runs without counters (correct only when every reduction's inputs come
+            # from earlier CTAs, e.g. num_ctas=1; tests use it to check the one-launch kernel).
+            sems = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((2 * U_cap,)))
+
+            def scoped(bars, in_bar):
+                _attention_phase(cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref,
+                                             pl_ref), bars, sems)
+                _reduction_phase(d, dtype, final, True,
+                                 (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
+                                 in_bar, sems)
+
+            pl.run_scoped(scoped, _phase1_barriers(mcs),
+                          plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
+
+        call = plgpu.kernel(fused_kernel, out_type=res_types + part_types, **kw)
+
+        def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):
+            outs = call(attn, red, red_in, off, qc, qh, kn, vn, kh, vh)
+            return outs[:len(res_types)], outs[len(res_types):]
+        return run
+
+    def attn_kernel(attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref):
+        pl.run_scoped(lambda bars: _attention_phase(
+            cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref), bars, None),
+            _phase1_barriers(mcs), collective_axes="wg")
+
+    def red_kernel(red_ref, red_in_ref, off_ref, po_ref, pl_ref, *res_refs):
+        pl.run_scoped(lambda in_bar: _reduction_phase(
+            d, dtype, final, False, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
+            in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
+
+    call_a = plgpu.kernel(attn_kernel, out_type=part_types, **kw)
+    call_r = plgpu.kernel(red_kernel, out_type=res_types, **kw)
+
+    def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):
+        po, pl_ = call_a(attn, off, qc, qh, kn, vn, kh, vh)
+        return call_r(red, red_in, off, po, pl_), (po, pl_)
+    return run
+
+
+# ----------------------------------------------------------------------------- the op
+
+def _pad_rows(x, rows):
+    return x if x.shape[0] >= rows else jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
+def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.EngineTables,
+                   shape: et.EngineShape, *, scale: float, config: EngineConfig = EngineConfig(),
+                   interpret: bool = False, return_partials: bool = False):
+    """Runs one rank's decode step on the engine (jit-able; ``shape`` / ``config`` static).
+
+    Args:
+      q_chunk: ``[Tq_cap, hq, D]`` the rank's query heads (chunk attention).
+      q_hist: ``[Tq_cap, H, D]`` the gathered query heads (history attention); the same array as
+        ``q_chunk`` when ``P = 1``.
+      k_new, v_new: ``[Tq_cap, D]`` or ``[Tq_cap, 1, D]`` the step's new KV (one KV head).
+      k_hist, v_hist: ``[hist_rows, D]`` or ``[hist_rows, 1, D]`` the rank's laid-out history
+        shard (``plan.shard_history``'s local block).
+      tables, shape: from :func:`megadcp_engine_tables.pack_engine` (``shape.num_ctas`` must
+        equal the config's grid).
+      scale: softmax scale.
+    Returns:
+      ``final``: ``[Tq_cap, hq, D]`` output in the input dtype (rows past the queries: garbage).
+      Otherwise ``(chunk, hist)`` :class:`state.PartialState` s, ``[Tq_cap, hq]`` and
+      ``[Tq_cap, H]`` (f32; ``lse = -inf`` where a request has no history on this rank).
+      With ``return_partials``: ``(result, (part_o, part_lse))`` (the attention tasks' slots).
+    """
+    d = q_chunk.shape[-1]
+    check_inputs(q_chunk.dtype, d, config, shape.final)
+    if config.grid() != shape.num_ctas:
+        raise ValueError(f"tables were packed for num_ctas={shape.num_ctas}; config runs "
+                         f"{config.grid()} CTAs")
+    if shape.block_kv != config.block_kv:
+        raise ValueError(f"tables were packed for block_kv={shape.block_kv}; config has "
+                         f"{config.block_kv}")
+    T, hq, H = shape.tq_cap, shape.hq, shape.heads
+    sq = lambda x: x.reshape(x.shape[0], x.shape[-1]) if x.ndim == 3 else x  # noqa: E731
+    k_new, v_new, k_hist, v_hist = map(sq, (k_new, v_new, k_hist, v_hist))
+    for name, x, want in (("q_chunk", q_chunk, (T, hq, d)), ("q_hist", q_hist, (T, H, d)),
+                          ("k_new", k_new, (T, d)), ("v_new", v_new, (T, d)),
+                          ("k_hist", k_hist, (shape.hist_rows, d)),
+                          ("v_hist", v_hist, (shape.hist_rows, d))):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} must have shape {want}; got {tuple(x.shape)}")
+        if x.dtype != q_chunk.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} must equal q_chunk's {q_chunk.dtype}")
+    hqp, Hp = shape.hq_pad, shape.heads_pad
+    # Rows token * heads_pad + head; heads are padded to a multiple of 8 (zero heads) so that
+    # every Q tile starts at a multiple of 8 rows (tiled-SMEM TMA).
+    pad_h = lambda x, hp: x if x.shape[1] == hp else jnp.pad(x, ((0, 0), (0, hp - x.shape[1]), (0, 0)))  # noqa
+    qc = pad_h(q_chunk, hqp).reshape(T * hqp, d)
+    qh = qc if (q_hist is q_chunk and Hp == hqp) else pad_h(q_hist, Hp).reshape(T * Hp, d)
+    if interpret:   # the interpreter clamps out-of-bounds TMA boxes (the GPU fills zeros)
+        qc, qh = _pad_rows(qc, T * hqp + _ROWS), _pad_rows(qh, T * Hp + _ROWS)
+    k_new, v_new = _pad_rows(k_new, shape.new_rows), _pad_rows(v_new, shape.new_rows)
+    run = _build(shape, config, d, jnp.dtype(q_chunk.dtype).name, float(scale), bool(interpret))
+    tb = [jnp.asarray(x) for x in tables[:4]]
+    res, partials = run(*tb, qc, qh, k_new, v_new, k_hist, v_hist)
+    if shape.final:
+        out = res[0].reshape(T, hqp, d)[:, :hq]
+    else:
+        out = gather_states(*partials, *res, tables, shape)
+    if return_partials:
+        return out, partials
+    return out
+
+
+def gather_states(po, pl_, ro, rl, tables: et.EngineTables, shape: et.EngineShape):
+    """(chunk, hist) :class:`state.PartialState` s ``[Tq_cap, hq]`` / ``[Tq_cap, H]`` from the
+    engine's slot buffers (attention slots ``po``/``pl_``, reduction slots ``ro``/``rl``) through
+    the tables' 8-row granule maps."""
+    d = po.shape[-1]
+    T, hq, H = shape.tq_cap, shape.hq, shape.heads
+    a_rows = shape.attn_cap * _ROWS
+    po, pl_ = po.reshape(-1, d), pl_.reshape(-1)
+    ro, rl = ro.reshape(-1, d), rl.reshape(-1)
+    g = et.ROW_ALIGN
+
+    def rows(src, h, hp):   # [T * h] partial-state row of each vector (-1: none)
+        r = (jnp.arange(T)[:, None] * hp + jnp.arange(h)[None, :]).reshape(-1)
+        gs = jnp.asarray(src)[r // g]
+        return jnp.where(gs >= 0, gs * g + r % g, -1)
+
+    def take(src, h, hp):
+        r = rows(src, h, hp)
+        ok, red = r >= 0, r >= a_rows
+        rp = jnp.clip(r, 0, a_rows - 1)
+        rr = jnp.clip(r - a_rows, 0, max(ro.shape[0] - 1, 0))
+        o = jnp.where(red[:, None], ro[rr], po[rp]) if ro.shape[0] else po[rp]
+        l = jnp.where(red, rl[rr], pl_[rp]) if rl.shape[0] else pl_[rp]
+        return st.PartialState(jnp.where(ok[:, None], o, 0.0).reshape(T, h, d),
+                               jnp.where(ok, l, -jnp.inf).reshape(T, h))
+
+    return take(tables.chunk_src, hq, shape.hq_pad), take(tables.hist_src, H, shape.heads_pad)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def reference_rank(q_loc, q_all, k_new, v_new, k_shard, v_shard, history_lengths, query_lengths,
+                   dcp: int, rank: int, scale: float):
+    """Float64 NumPy reference of one rank's engine results.
+
+    ``q_loc [Tq, hq, D]`` (the rank's heads), ``q_all [Tq, H, D]``, ``k_new/v_new [Tq, D]``,
+    ``k_shard/v_shard [rows, D]`` (rank ``rank``'s laid-out shard: request ``i``'s local token
+    ``j`` = global history token ``dcp * j + rank`` at row ``sum(local[:i]) + j``).
+    Returns ``(chunk_out [Tq,hq,D], chunk_lse [Tq,hq], hist_out [Tq,H,D], hist_lse [Tq,H])``;
+    merging them (and, for ``P > 1``, the other ranks' history states) gives the attention output.
+    """
+    f = lambda x: np.asarray(x, np.float64).reshape(np.shape(x)[0], -1, np.shape(x)[-1])  # noqa
+    q_loc, q_all = f(q_loc), f(q_all)
+    k_new, v_new = (np.asarray(x, np.float64).reshape(np.shape(x)[0], -1) for x in (k_new, v_new))
+    k_shard, v_shard = (np.asarray(x, np.float64).reshape(np.shape(x)[0], -1) for x in (k_shard, v_shard))
+    hist = np.asarray(history_lengths, np.int64)
+    qlen = np.asarray(query_lengths, np.int64)
+    local = np.maximum(0, -(-(hist - rank) // dcp))
+    loc_off = np.cumsum(local) - local
+    q_off = np.cumsum(qlen) - qlen
+    Tq = int(qlen.sum())
+    hq, H, D = q_loc.shape[1], q_all.shape[1], q_loc.shape[2]
+    co, cl = np.zeros((Tq, hq, D)), np.full((Tq, hq), -np.inf)
+    ho, hl = np.zeros((Tq, H, D)), np.full((Tq, H), -np.inf)
+
+    def attend(q, k, v, mask):
+        o = np.zeros(q.shape)
+        lse = np.full(q.shape[:2], -np.inf)
+        for a in range(0, q.shape[0], 256):   # query blocks bound the score memory
+            b = slice(a, a + 256)
+            s = np.einsum("thd,kd->thk", q[b], k, optimize=True) * scale
+            s = np.where(mask[b][:, None, :], s, -np.inf)
+            m = s.max(-1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(s - m)
+            l = p.sum(-1)
+            o[b] = np.einsum("thk,kd->thd", p, v, optimize=True) / np.where(l > 0, l, 1.0)[..., None]
+            lse[b] = np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + m[..., 0], -np.inf)
+        return o, lse
+
+    for i in range(hist.size):
+        t0, n = q_off[i], qlen[i]
+        rows = slice(t0, t0 + n)
+        mask = np.arange(n)[None, :] <= np.arange(n)[:, None]
+        co[rows], cl[rows] = attend(q_loc[rows], k_new[rows], v_new[rows], mask)
+        if local[i]:
+            ks = slice(loc_off[i], loc_off[i] + local[i])
+            ho[rows], hl[rows] = attend(q_all[rows], k_shard[ks], v_shard[ks],
+                                        np.ones((n, local[i]), bool))
+    return co, cl, ho, hl
+
+
+def merge_np(outs, lses):
+    """Float64 merge of partial states stacked on axis 0 (natural-log LSE)."""
+    outs, lses = np.asarray(outs, np.float64), np.asarray(lses, np.float64)
+    m = lses.max(0)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lses - m)
+    l = w.sum(0)
+    out = (outs * w[..., None]).sum(0) / np.where(l > 0, l, 1.0)[..., None]
+    return out, np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + m, -np.inf)

@@ -1,0 +1,188 @@
+"""MegaDCP engine on the CPU: table packing, the fused protocol's deadlock-freedom and coverage
+(NumPy simulation), the staged engine in the Mosaic GPU interpreter vs float64, and the
+Pallas -> Mosaic GPU lowering of both engines (compile checks without a GPU)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from liquidcp_jax.pallas import megadcp_engine as eng
+from liquidcp_jax.pallas import megadcp_engine_tables as et
+
+from _engine_cases import build_tables, run_case
+
+PROTOCOL_CASES = [
+    # (history, query, P, hq, rank, splits)
+    ([0, 1, 300, 77], [16, 1, 16, 40], 1, 8, 0, None),
+    ([0, 1, 300, 77], [16, 1, 16, 40], 1, 8, 0, [1, 1, 3, 1]),
+    ([700, 5, 300, 0], [16, 3, 1, 300], 2, 8, 1, None),
+    ([9000, 5, 300], [16, 3, 1], 4, 2, 3, [18, 1, 1]),
+    ([1000, 130], [5, 16], 1, 6, 0, [4, 1]),
+    ([260, 3], [2, 1], 2, 96, 0, [2, 1]),
+    ([5000, 12000, 40], [16, 16, 16], 8, 4, 7, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PROTOCOL_CASES)))
+@pytest.mark.parametrize("num_ctas", [1, 3, 132])
+def test_protocol_deadlock_free_and_exact_coverage(case, num_ctas):
+    hist, ql, P, hq, rank, splits = PROTOCOL_CASES[case]
+    t = build_tables(hist, ql, P, hq, splits=splits)
+    plan = et.pack_engine(t, rank, num_ctas=num_ctas)
+    res = et.simulate_protocol(plan, t, rank)
+    assert res["attention"] == plan.num_attn and res["reductions"] == plan.num_red
+    tb = plan.tables
+    assert all(x.dtype == np.int32 for x in tb)
+    # Every attention task with a history split has one; empty splits of short shards are
+    # empty tasks (n_tiles 0), never out-of-range reads.
+    at = tb.attn[:plan.num_attn]
+    base = at[:, et.FA["kv_base"]]
+    assert np.all(base % et.ROW_ALIGN == 0) and np.all(base >= 0)
+    assert np.all(at[:, et.FA["q_row"]] % et.ROW_ALIGN == 0)
+    rows = np.where(at[:, et.FA["kind"]] == 0, plan.shape.new_rows, plan.shape.hist_rows)
+    assert np.all(base + at[:, et.FA["n_tiles"]] * plan.shape.block_kv <= rows)
+
+
+def test_protocol_rejects_broken_tables():
+    t = build_tables([3000, 10], [16, 16], 1, 8, splits=[3, 1])
+    plan = et.pack_engine(t, 0, num_ctas=4)
+    et.simulate_protocol(plan, t, 0)
+    # A reduction waiting for more inputs than are ever signalled: the model deadlocks.
+    red = plan.tables.red.copy()
+    red[0, et.FR["n_in"]] += 1
+    bad = dataclasses.replace(plan, tables=plan.tables._replace(red=red))
+    with pytest.raises(AssertionError):
+        et.simulate_protocol(bad)
+    # A task signalling the wrong counter: inputs and producers disagree.
+    attn = plan.tables.attn.copy()
+    i = int(np.flatnonzero(attn[:plan.num_attn, et.FA["signal"]] >= 0)[0])
+    attn[i, et.FA["signal"]] = (attn[i, et.FA["signal"]] + 1) % plan.num_red
+    bad = dataclasses.replace(plan, tables=plan.tables._replace(attn=attn))
+    with pytest.raises(AssertionError):
+        et.simulate_protocol(bad)
+    # A KV range shifted by one key: coverage fails.
+    attn = plan.tables.attn.copy()
+    j = int(np.flatnonzero((attn[:plan.num_attn, et.FA["kind"]] == 1)
+                           & (attn[:plan.num_attn, et.FA["n_tiles"]] > 0))[0])
+    attn[j, et.FA["kv_hi"]] -= 1
+    bad = dataclasses.replace(plan, tables=plan.tables._replace(attn=attn))
+    with pytest.raises(AssertionError):
+        et.simulate_protocol(bad, t, 0)
+
+
+def test_capacities_pin_one_shape():
+    caps = {"attn": 64, "red": 32, "red_inputs": 64}
+    shapes = set()
+    for hist in ([4000, 1200, 90], [3500, 1300, 60], [100, 100, 100]):
+        t = build_tables(hist, [16, 16, 16], 1, 8)
+        p = et.pack_engine(t, 0, num_ctas=8, capacities=caps, tq_cap=64, hist_rows=8192)
+        shapes.add(p.shape)
+        assert [x.shape for x in p.tables] == [(64, len(et.ATTN_FIELDS)), (32, len(et.RED_FIELDS)),
+                                               (64,), (2, 9), (1,), (1,)]
+    assert len(shapes) == 1
+
+
+def test_pack_validation():
+    t = build_tables([300], [16], 2, 4)
+    with pytest.raises(ValueError, match="rank"):
+        et.pack_engine(t, 2, num_ctas=4)
+    with pytest.raises(ValueError, match="final"):
+        et.pack_engine(t, 0, num_ctas=4, final=True)
+    with pytest.raises(ValueError, match="num_ctas"):
+        et.pack_engine(t, 0, num_ctas=0)
+    with pytest.raises(ValueError, match="hist_rows"):
+        et.pack_engine(t, 0, num_ctas=4, hist_rows=64)
+
+
+def test_config_and_input_validation():
+    with pytest.raises(ValueError, match="block_kv"):
+        eng.EngineConfig(block_kv=32)
+    with pytest.raises(ValueError, match="num_ctas"):
+        eng.EngineConfig(num_ctas=0)
+    with pytest.raises(ValueError, match="fused"):
+        eng.EngineConfig(fused=1)
+    cfg = eng.EngineConfig(num_ctas=4)
+    with pytest.raises(ValueError, match="dtype"):
+        eng.check_inputs(jnp.float32, 128, cfg, True)
+    with pytest.raises(ValueError, match="head_dim"):
+        eng.check_inputs(jnp.bfloat16, 96, cfg, True)
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        eng.check_inputs(jnp.bfloat16, 128, eng.EngineConfig(max_concurrent_steps=3), True)
+    eng.check_inputs(jnp.bfloat16, 64, eng.EngineConfig(max_concurrent_steps=4), False)
+    t = build_tables([300], [16], 1, 8)
+    plan = et.pack_engine(t, 0, num_ctas=4)
+    s = plan.shape
+    q = jnp.zeros((s.tq_cap, 8, 128), jnp.bfloat16)
+    kn = jnp.zeros((s.tq_cap, 128), jnp.bfloat16)
+    kh = jnp.zeros((s.hist_rows, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="num_ctas"):
+        eng.megadcp_engine(q, q, kn, kn, kh, kh, plan.tables, s, scale=0.1,
+                           config=eng.EngineConfig(num_ctas=5))
+    with pytest.raises(ValueError, match="k_hist"):
+        eng.megadcp_engine(q, q, kn, kn, kh[:8], kh, plan.tables, s, scale=0.1, config=cfg)
+
+
+# (history, query, P, hq, rank, D, dtype, splits)
+INTERPRET_CASES = [
+    ([0, 1, 300, 77], [16, 1, 16, 40], 1, 8, 0, 128, jnp.bfloat16, [1, 1, 3, 1]),
+    ([700, 5, 300], [16, 3, 1], 2, 8, 1, 64, jnp.float16, [3, 1, 2]),
+    ([1000, 130], [5, 16], 1, 6, 0, 64, jnp.bfloat16, [4, 1]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(INTERPRET_CASES)))
+def test_staged_engine_interpret_matches_float64(rng, case):
+    """The staged engine (attention launch + reduction launch, no semaphores) in the Mosaic GPU
+    interpreter, NaN-initialised memory, vs float64: TMA, barriers, wgmma, the ping-pong, the
+    partial-state slots and the reductions."""
+    hist, ql, P, hq, rank, d, dtype, splits = INTERPRET_CASES[case]
+    errs, _ = run_case(rng, hist, ql, dcp=P, hq=hq, rank=rank, d=d, dtype=dtype, splits=splits,
+                       num_ctas=3, fused=False, interpret=True, poison=False)
+    for k, v in errs.items():
+        assert v < 2e-2, (k, v)
+
+
+def _lower(final: bool, fused: bool):
+    hist, ql = [900, 0, 40], [16, 16, 3]
+    P, hq = (1, 8) if final else (4, 4)
+    t = build_tables(hist, ql, P, hq)
+    plan = et.pack_engine(t, 0, num_ctas=6)
+    s = plan.shape
+    sd = jax.ShapeDtypeStruct
+    cfg = eng.EngineConfig(num_ctas=6, fused=fused)
+    f = jax.jit(lambda *a: eng.megadcp_engine(*a, plan.tables, s, scale=0.1, config=cfg))
+    args = (sd((s.tq_cap, hq, 128), jnp.bfloat16), sd((s.tq_cap, P * hq, 128), jnp.bfloat16),
+            sd((s.tq_cap, 128), jnp.bfloat16), sd((s.tq_cap, 128), jnp.bfloat16),
+            sd((s.hist_rows, 128), jnp.bfloat16), sd((s.hist_rows, 128), jnp.bfloat16))
+    if final:
+        args = (args[0], args[0]) + args[2:]
+        f = jax.jit(lambda q, _, *a: eng.megadcp_engine(q, q, *a, plan.tables, s, scale=0.1,
+                                                        config=cfg))
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("final", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+def test_engine_gpu_lowering(final, fused):
+    """Both engines lower for CUDA on this CPU (Pallas -> Mosaic GPU, layout inference, SMEM
+    within the 227 KiB limit): one Mosaic GPU call fused, two staged."""
+    txt = _lower(final, fused)
+    n = sum("custom_call @mosaic_gpu" in line for line in txt.splitlines())
+    assert n == (1 if fused else 2)
+
+
+@pytest.mark.parametrize("final", [True])
+def test_fused_engine_interpret_one_cta(rng, final):
+    """The fused one-launch kernel (attention phase, then the reduction phase in a second SMEM
+    scope of the same kernel) in the interpreter with one CTA. The interpreter has no
+    semaphores and runs CTAs in sequence, so the counters are left out there; with one CTA every
+    reduction's inputs are its own earlier tasks."""
+    hist, ql = [1000, 0, 77], [16, 3, 20]
+    P, hq = (1, 8) if final else (2, 8)
+    errs, plan = run_case(rng, hist, ql, dcp=P, hq=hq, rank=1 if P > 1 else 0, d=64,
+                          splits=[4, 1, 1], num_ctas=1, fused=True, interpret=True, poison=False)
+    assert plan.shape.final == final
+    for k, v in errs.items():
+        assert v < 2e-2, (k, v)
