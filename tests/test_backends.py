@@ -92,15 +92,34 @@ def test_megaring_pallas_dtype_and_head_dim_reasons(mesh8, rng):
         megaring.BACKENDS.select("pallas", call)
 
 
-def test_megadcp_rules(rng):
+def test_megadcp_rules(rng, monkeypatch):
+    """"auto" takes the GPU engine where it can run (Hopper, bf16 / f16, head dim 64 / 128, a
+    plan with engine tables), else XLA; "pallas" says why it cannot."""
     import jax
+    import jax.numpy as jnp
     mesh = jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2])
     plan = lcp.plan_megadcp([40, 3], [4, 1], mesh, num_q_heads=4, tile=16, rows_per_tile=16)
     call = megadcp.ops.MegaDcpCall(*(np.zeros(1) for _ in range(5)), plan, None, "auto")
     assert megadcp.BACKENDS.select("auto", call)[0].name == "xla"
     assert megadcp.BACKENDS.select("xla", call)[0].name == "xla"
-    with pytest.raises(ValueError, match='backend="pallas" cannot run here: there is no MegaDCP '
-                                         'GPU engine yet'):
+    with pytest.raises(ValueError, match='backend="pallas" cannot run here: the engine needs q'):
         megadcp.BACKENDS.select("pallas", call)
+    q = jnp.zeros((5, 4, 128), jnp.bfloat16)
+    call = megadcp.ops.MegaDcpCall(q, *(np.zeros(1) for _ in range(4)), plan, None, "auto")
+    hopper = pallas_api.is_supported(jnp.bfloat16, 128)[0]
+    if not hopper:
+        with pytest.raises(ValueError, match="Hopper"):
+            megadcp.BACKENDS.select("pallas", call)
+    monkeypatch.setattr(pallas_api, "is_supported", lambda dtype, d: (True, ""))
+    with pytest.raises(ValueError, match="no engine tables"):   # planned without engine=True
+        megadcp.BACKENDS.select("pallas", call)
+    from liquidcp_jax.pallas import megadcp_engine as eng
+    with pytest.raises(ValueError, match="engine=True: .* tile=128"):
+        lcp.plan_megadcp([40, 3], [4, 1], mesh, num_q_heads=4, tile=16, engine=True)
+    eplan = lcp.plan_megadcp([40, 3], [4, 1], mesh, num_q_heads=4, engine=True,
+                             engine_config=eng.EngineConfig(num_ctas=4))
+    ecall = call._replace(plan=eplan)
+    assert megadcp.BACKENDS.select("auto", ecall)[0].name == "pallas"
+    assert megadcp.BACKENDS.select("pallas", ecall)[0].name == "pallas"
     with pytest.raises(ValueError, match="backend must be one of"):
         megadcp.BACKENDS.select("cuda", call)

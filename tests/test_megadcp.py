@@ -174,7 +174,7 @@ def test_bad_input(rng):
         lcp.megadcp_attention(q, jnp.concatenate([kn, kn], 1), vn, kh, vh, plan)
     with pytest.raises(ValueError, match="share one dtype"):
         lcp.megadcp_attention(q, kn, vn, kh.astype(jnp.bfloat16), vh.astype(jnp.bfloat16), plan)
-    with pytest.raises(ValueError, match="no MegaDCP GPU engine"):
+    with pytest.raises(ValueError, match='backend="pallas" cannot run here: dtype must be bfloat16'):
         lcp.megadcp_attention(q, kn, vn, kh, vh, plan, backend="pallas")
     with pytest.raises(ValueError, match="plan must be a MegaDcpPlan"):
         lcp.megadcp_attention(q, kn, vn, kh, vh, object())

@@ -109,3 +109,27 @@ def test_two_steps_one_bucket_compile_once(rng):
         assert not np.isnan(np.asarray(out[:48], np.float32)).any()
     assert traces["engine"] == 1
 
+
+
+@pytest.mark.parametrize("backend", ["pallas", "auto"])
+def test_op_engine_matches_float64(rng, backend):
+    """megadcp_attention on one H200 (P = 1: the whole step in one launch) vs float64; "auto"
+    picks the engine on Hopper."""
+    import liquidcp_jax as lcp
+    from liquidcp_jax.pallas import megadcp_engine_op as engine_op
+    from liquidcp_jax.reference import decode_reference, rel_error
+    hist, ql = [0, 1, 1000, 40000, 777], [16, 16, 1, 300, 16]
+    mesh = jax.make_mesh((1,), ("dcp",), devices=jax.devices()[:1])
+    plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=8)
+    assert plan.engine is not None   # packed by default on Hopper
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
+    nq, nh = sum(ql), sum(hist)
+    args = (mk(nq, 8, 128), mk(nq, 1, 128), mk(nq, 1, 128), mk(nh, 1, 128), mk(nh, 1, 128))
+    before = engine_op.TRACES["engine"]
+    jax.block_until_ready(lcp.megadcp_attention(args[0] * jnp.nan, *args[1:], plan,
+                                                backend=backend))   # poison
+    out = lcp.megadcp_attention(*args, plan, backend=backend)
+    assert engine_op.TRACES["engine"] > before
+    ref, _ = decode_reference(*(np.asarray(x, np.float64) for x in args), hist, ql)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_error(out, ref) < TOL

@@ -1,5 +1,6 @@
 """MegaDCP's op: ``megadcp_attention`` runs one planned decode step (paper §2.1 "Decoding", §5,
-Fig. 2(b)) on one of its backends (:data:`BACKENDS`; today the XLA executor).
+Fig. 2(b)) on one of its backends (:data:`BACKENDS`): the MegaDCP GPU engine
+(``pallas.megadcp_engine``, Hopper) or the portable XLA executor.
 
     plan = lcp.plan_megadcp(history_lengths, query_lengths, mesh, "dcp", num_q_heads=Hq)
     k_sh, v_sh = plan.shard_history(k_hist), plan.shard_history(v_hist)   # [sum(hist), 1, D] packed
@@ -72,8 +73,10 @@ def _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout: str):
 
 
 def run_dcp(combine, q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, scale=None,
-            history_layout: str = "auto"):
-    """Shared driver of MegaDCP and the DCP baselines: validates, lays out, pads, executes."""
+            history_layout: str = "auto", engine_interpret: bool | None = None):
+    """Shared driver of MegaDCP and the DCP baselines: validates, lays out, pads, executes (the
+    XLA executor; the GPU engine when ``engine_interpret`` is not None, in the Mosaic GPU
+    interpreter when it is True)."""
     D, packed = _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout)
     s = plan.static.shape
     scale = D ** -0.5 if scale is None else float(scale)
@@ -86,6 +89,14 @@ def run_dcp(combine, q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, scal
     rep = NamedSharding(mesh, P())
     k_new, v_new = (_constrain(jnp.pad(jnp.asarray(x), pad), rep) for x in (k_new, v_new))
     k_hist, v_hist = (_constrain(jnp.asarray(x), plan.history_sharding) for x in (k_hist, v_hist))
+    if engine_interpret is not None:
+        from liquidcp_jax.pallas import megadcp_engine_op as engine_op
+        e = plan.engine
+        etabs = engine_op.et.EngineTables(*(_constrain(jnp.asarray(x), plan.history_sharding)
+                                            for x in e.tables))
+        out = engine_op.execute(combine, plan.static.exec_spec(scale), mesh, e.shape, e.config,
+                                bool(engine_interpret), q, k_new, v_new, k_hist, v_hist, etabs)
+        return out[:Tq]
     tables = DcpExecTables(*(_constrain(jnp.asarray(x), plan.history_sharding)
                                      for x in plan.tables))
     out = xla_dcp.execute(combine, plan.static.exec_spec(scale), mesh, q, k_new, v_new, k_hist,
@@ -107,9 +118,12 @@ def megadcp_attention(q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, sca
         ``[sum(history_lengths), 1, D]`` (laid out here); detected by shape.
       plan: from :func:`plan_megadcp`.
       scale: softmax scale, default ``1/sqrt(D)``.
-      backend: ``"auto"`` or a name of :data:`BACKENDS`: ``"xla"`` (the portable executor);
-        ``"pallas"`` (the MegaDCP GPU engine) is not available yet. A named backend that cannot
-        run raises ``ValueError`` saying why.
+      backend: ``"auto"`` or a name of :data:`BACKENDS`: ``"pallas"``, the MegaDCP GPU engine
+        (Hopper, bf16 / f16, head dim 64 or 128, a plan with engine tables: with ``P = 1`` the
+        whole step is one kernel launch; with ``P > 1`` the query all-gather and the result
+        all-to-all stay XLA collectives around the engine's launch); ``"xla"``, the portable
+        executor. ``"auto"`` takes the engine where it can run, else XLA. A named backend that
+        cannot run raises ``ValueError`` saying why.
       history_layout: ``"auto"`` (by shape), ``"packed"`` or ``"sharded"`` when shapes coincide.
     Returns:
       ``[Tq, Hq, D]`` in ``q.dtype``, sharded over heads.
@@ -136,17 +150,21 @@ def _run_xla(c: MegaDcpCall):
                    scale=c.scale, history_layout=c.history_layout)
 
 
-_NO_ENGINE = ('there is no MegaDCP GPU engine yet; use backend="auto" or "xla" (the portable XLA '
-              'executor)')
+def _run_engine(c: MegaDcpCall):
+    return run_dcp(xla_dcp.megadcp_combine, c.q, c.k_new, c.v_new, c.k_hist, c.v_hist, c.plan,
+                   scale=c.scale, history_layout=c.history_layout, engine_interpret=False)
 
 
-def _no_engine(c: MegaDcpCall):
-    raise AssertionError(_NO_ENGINE)  # never selected: its unsupported() always says why
+def _engine_unsupported(c: MegaDcpCall) -> str | None:
+    """Why the GPU engine cannot run ``c`` here (shape errors are the run's to raise)."""
+    from liquidcp_jax.pallas import megadcp_engine_op as engine_op
+    if not isinstance(c.plan, MegaDcpPlan) or getattr(c.q, "ndim", 0) != 3:
+        return "the engine needs q of shape [T, H, D] and a MegaDcpPlan"
+    return engine_op.unsupported_reason(c.q.dtype, c.q.shape[-1], c.plan.engine)
 
 
-#: MegaDCP's backends, ``"auto"`` trying them in order. The GPU engine replaces the ``"pallas"``
-#: placeholder with ``Backend("pallas", run, unsupported)`` and goes first in ``auto``.
+#: MegaDCP's backends, ``"auto"`` trying them in order: the GPU engine, then the XLA executor.
 BACKENDS = Registry("megadcp_attention", [
     Backend("xla", _run_xla),
-    Backend("pallas", _no_engine, lambda c: _NO_ENGINE),
-], auto=("xla",))
+    Backend("pallas", _run_engine, _engine_unsupported),
+], auto=("pallas", "xla"))

@@ -63,8 +63,9 @@ class HostInfo:
     capacity: dict
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("tables", "shard_src"),
-                   meta_fields=("static",), drop_fields=("host",))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("tables", "shard_src", "engine"), meta_fields=("static",),
+                   drop_fields=("host",))
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class MegaDcpPlan:
     """A MegaDCP plan: the static part (the compile key), int32 executor tables (the pytree's
@@ -77,12 +78,16 @@ class MegaDcpPlan:
       shard_src: ``[P * L_cap]`` int32 packed-history index feeding each shard slot (fill: padding).
       host: :class:`HostInfo`: lengths, the planner's ``DcpTables`` (splits, order, epochs, ...),
         split source and capacity bucket.
+      engine: the GPU engine's per-rank tables (``pallas.megadcp_engine_op.EngineData``: its
+        static part joins the compile key, its tables are leaves), or ``None``
+        (``plan_megadcp(..., engine=False)``, or planned where no Hopper GPU is).
     """
 
     static: DcpStatic
     tables: DcpExecTables
     shard_src: Any
     host: HostInfo | None = None
+    engine: Any = None
 
     @property
     def mesh(self) -> Mesh:
@@ -168,8 +173,8 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
                  tile: int = 128, rows_per_tile: int = 128, params: "cw.Params | None" = None,
                  splits: Sequence[int] | None = None, num_comm_ctas: int = 16, min_capacity: int = 8,
                  capacities: dict[str, Any] | None = None,
-                 memory_budget: int = DEFAULT_MEMORY_BUDGET, _split_source: str | None = None
-                 ) -> MegaDcpPlan:
+                 memory_budget: int = DEFAULT_MEMORY_BUDGET, engine: bool | None = None,
+                 engine_config=None, _split_source: str | None = None) -> MegaDcpPlan:
     """Plans one MegaDCP decode step (host side, NumPy).
 
     Args:
@@ -186,6 +191,9 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       min_capacity: smallest table capacity; capacities: per-table floors (``plan.capacity``).
       memory_budget: bytes of attention temporaries the XLA executor may hold for one block of
         (task, KV tile) pairs; blocks run in a scan, so memory stays bounded for any batch.
+      engine: also pack the GPU engine's per-rank tables (``backend="pallas"``); default: when
+        the first JAX device is a Hopper GPU. engine_config: its
+        ``pallas.megadcp_engine.EngineConfig`` (grid size, fused or staged).
     Returns:
       :class:`MegaDcpPlan`.
     """
@@ -215,6 +223,19 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     static = DcpStatic(shape, mesh, int(num_q_heads), None if head_dim is None else int(head_dim))
     capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
                 "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
+    from liquidcp_jax.pallas import megadcp_engine_op as engine_op
+    fits = engine_op.fits_plan(hist_cap, engine_config)
+    if engine is None:   # pack when only the tables are missing, i.e. on a Hopper GPU
+        engine = (engine_op.unsupported_reason(jnp.bfloat16, 128, None) == engine_op.NO_TABLES
+                  and fits is None)
+    elif engine and fits is not None:
+        raise ValueError(f"engine=True: {fits}")
+    engine_data = None
+    if engine:
+        engine_data = engine_op.pack_plan(t, tq_cap=tq_cap, hist_cap=hist_cap, config=engine_config,
+                                          capacities=caps, min_capacity=min_capacity)
+        capacity.update(engine_data.capacity)
     source = _split_source or ("critical_wave" if splits is None else "fixed")
     host = HostInfo(tuple(int(x) for x in hist), tuple(int(x) for x in qlen), t, source, capacity)
-    return MegaDcpPlan(static, tables, shard_src(hist, t.req_local_len, hist_cap), host)
+    return MegaDcpPlan(static, tables, shard_src(hist, t.req_local_len, hist_cap), host,
+                       engine_data)

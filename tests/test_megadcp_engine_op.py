@@ -1,0 +1,99 @@
+"""megadcp_attention with the GPU engine: backend selection, errors, the plan's engine tables,
+and (on the CPU, through the Mosaic GPU interpreter) the P = 1 one-launch path vs float64."""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+import liquidcp_jax as lcp
+from liquidcp_jax.executors import xla_dcp
+from liquidcp_jax.megadcp import ops as md
+from liquidcp_jax.pallas import megadcp_engine as eng
+from liquidcp_jax.pallas import megadcp_engine_op as engine_op
+from liquidcp_jax.reference import decode_reference, rel_error
+
+CFG = eng.EngineConfig(num_ctas=3)
+
+
+def _mesh(P):
+    return jax.make_mesh((P,), ("dcp",), devices=jax.devices()[:P])
+
+
+def _inputs(rng, hist, ql, Hq, D, dtype=jnp.bfloat16):
+    nq, nh = sum(ql), sum(hist)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    return mk(nq, Hq, D), mk(nq, 1, D), mk(nq, 1, D), mk(nh, 1, D), mk(nh, 1, D)
+
+
+def test_plan_engine_tables_and_pytree():
+    plan = lcp.plan_megadcp([900, 0, 40], [16, 16, 3], _mesh(2), num_q_heads=8, engine=True,
+                            engine_config=CFG)
+    e = plan.engine
+    assert e.shape.dcp == 2 and not e.shape.final and e.shape.hist_rows == plan.static.shape.hist_cap
+    assert all(x.shape[0] == 2 and x.dtype == np.int32 for x in e.tables)
+    assert {"engine_attn", "engine_red", "engine_red_inputs"} <= set(plan.capacity)
+    leaves, tree = jax.tree_util.tree_flatten(plan)
+    back = jax.tree_util.tree_unflatten(tree, leaves)
+    assert back.engine.shape == e.shape and back.engine.config == CFG
+    assert all(np.array_equal(a, b) for a, b in zip(back.engine.tables, e.tables))
+    # No engine tables unless asked (this CPU is no Hopper GPU).
+    assert lcp.plan_megadcp([900], [16], _mesh(1), num_q_heads=8).engine is None
+
+
+def test_backend_selection_and_errors(rng):
+    hist, ql = [300, 5], [16, 2]
+    plan = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=CFG)
+    args = _inputs(rng, hist, ql, 8, 64)
+    ref = md.megadcp_attention(*args, plan, backend="xla")
+    np.testing.assert_array_equal(np.asarray(md.megadcp_attention(*args, plan), np.float32),
+                                  np.asarray(ref, np.float32))   # "auto" falls back to XLA here
+    with pytest.raises(ValueError, match="Hopper"):
+        md.megadcp_attention(*args, plan, backend="pallas")
+    f32 = tuple(x.astype(jnp.float32) for x in args)
+    with pytest.raises(ValueError, match="dtype"):
+        md.megadcp_attention(*f32, plan, backend="pallas")
+    plan96 = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=False)
+    a96 = _inputs(rng, hist, ql, 8, 96)
+    with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
+        md.megadcp_attention(*a96, plan96, backend="pallas")
+
+
+def test_one_launch_path_interpret_matches_float64(rng):
+    """P = 1: the op's engine path (plan tables -> shard_map -> the fused engine, one CTA in the
+    interpreter) vs float64 and the XLA executor."""
+    hist, ql = [300, 0, 77], [16, 3, 20]
+    cfg = eng.EngineConfig(num_ctas=1)
+    plan = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=cfg)
+    args = _inputs(rng, hist, ql, 8, 64)
+    out = md.run_dcp(xla_dcp.megadcp_combine, *args, plan, engine_interpret=True)
+    ref, _ = decode_reference(*(np.asarray(x, np.float64) for x in args), hist, ql)
+    assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_error(out, ref) < 2e-2
+    assert rel_error(out, md.megadcp_attention(*args, plan, backend="xla")) < 2e-2
+
+
+def test_two_steps_one_bucket_one_program(rng):
+    """Two steps pinned to one capacity bucket give the engine program the same static arguments
+    and table shapes, hence one jit cache entry (the H200 test counts the traces)."""
+    mesh = _mesh(1)
+    p1 = lcp.plan_megadcp([300, 40], [16, 16], mesh, num_q_heads=8, engine=True,
+                          engine_config=CFG)
+    p2 = lcp.plan_megadcp([280, 20], [16, 16], mesh, num_q_heads=8, engine=True,
+                          engine_config=CFG, capacities=p1.capacity)
+    assert p1.static == p2.static and p1.engine.shape == p2.engine.shape
+    assert [(x.shape, x.dtype) for x in p1.engine.tables] == \
+        [(x.shape, x.dtype) for x in p2.engine.tables]
+    spec = p1.static.exec_spec(0.125)
+    s = p1.static.shape
+    sh = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))  # noqa
+    sd = lambda shape, *spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh(*spec))  # noqa
+    args = (sd((s.tq_cap, 8, 64), None, "dcp"), sd((s.tq_cap, 1, 64)), sd((s.tq_cap, 1, 64)),
+            sd((s.hist_cap, 1, 64), "dcp"), sd((s.hist_cap, 1, 64), "dcp"))
+    jaxprs = []
+    for p in (p1, p2):
+        tabs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh("dcp"))
+                     for x in p.engine.tables)
+        jaxprs.append(str(engine_op.execute.trace(
+            xla_dcp.megadcp_combine, spec, mesh, p.engine.shape, p.engine.config, True, *args,
+            engine_op.et.EngineTables(*tabs)).jaxpr))
+    assert jaxprs[0] == jaxprs[1]
