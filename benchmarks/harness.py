@@ -10,7 +10,8 @@ every row (so a run cut by an outer time limit keeps what it measured).
 Timing (:func:`time_fn`, :func:`time_round_robin`): wall-clock, every call waited for with
 ``jax.block_until_ready``; the first call (compile) and ``warmup - 1`` more are not timed; the
 median of the timed calls is the number. Round-robin timing calls each implementation once per
-round, so clock ramp-up and drift hit all of them alike.
+round, so clock ramp-up and drift hit all of them alike. Microsecond kernels use
+:func:`time_back_to_back` (many calls, one wait) inside such rounds.
 
 The report (:class:`Report`) is ``{"meta": ..., <script fields>, "rows": [...]}``; ``meta`` holds the
 script, its argv, the git SHA (``GIT_SHA`` in the environment where the tree has no ``.git``, as
@@ -134,6 +135,19 @@ def time_fn(f: Callable, *args, reps: int = 10, warmup: int = 2, max_seconds: fl
     if max_seconds is not None:
         reps = int(max(min_reps, min(reps, max_seconds // max(one, 1e-6))))
     return Timing(tuple(_call(f, args) for _ in range(max(1, reps))), first)
+
+
+def time_back_to_back(f: Callable, arg_sets: Sequence[tuple], calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``f`` (rotating over ``arg_sets``) and
+    one final wait: for microsecond kernels (decode steps), where waiting after every call would
+    time the host round trip instead of the kernel. Warm ``f`` up first."""
+    import jax
+    t = time.perf_counter()
+    out = None
+    for i in range(calls):
+        out = f(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / calls
 
 
 def time_round_robin(fns: Mapping[str, tuple[Callable, tuple]], reps: int, warmup: int = 2

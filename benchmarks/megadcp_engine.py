@@ -23,8 +23,9 @@ Times are wall-clock per call over back-to-back calls (the descriptor tables are
 per case, outside the timed region).
 Cases are data (``SYNTHETIC``, ``MOONCAKE_*``); Mooncake snapshots come from
 ``benchmarks/results/latest/mooncake_snapshots.json`` (the builder's output, in the repository).
+One harness case per group of snapshots sharing a capacity bucket (one compile per mode).
 
-    python -m benchmarks.megadcp_engine [--quick] [--out FILE] [--only SUBSTR]
+    python -m benchmarks.megadcp_engine [--quick] [--out FILE] [--cases NAMES] [--budget-s S]
     (on the H200: bash benchmarks/device/megadcp.sh)
 """
 from __future__ import annotations
@@ -33,9 +34,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -43,6 +41,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from benchmarks import harness as H
 from liquidcp_jax.megadcp import critical_wave as cw
 from liquidcp_jax.megadcp.split_search import fa3_reference_splits
 from liquidcp_jax.megadcp.tables import build_descriptor_tables as build_tables
@@ -50,7 +49,6 @@ from liquidcp_jax.megadcp.tables import local_history_lengths
 from liquidcp_jax.pallas import megadcp_engine as eng
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 D = 128
 DTYPE = jnp.bfloat16
 
@@ -76,7 +74,7 @@ MOONCAKE_HQ = 4                # 32 query heads, TP 8: 4 per rank; gathered head
 
 
 def mooncake_cases(per_kind: int):
-    path = os.path.join(HERE, "results", "latest", "mooncake_snapshots.json")
+    path = H.latest("mooncake_snapshots.json")
     snaps = json.load(open(path))["snapshots"]
     out = []
     for scale in (1, 2, 4):
@@ -89,46 +87,29 @@ def mooncake_cases(per_kind: int):
 
 # ----------------------------------------------------------------------------- measurement
 
-def git_sha():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE, text=True).strip()
-    except Exception:  # pragma: no cover
-        return "unknown"
-
-
-def time_calls(fn, arg_sets, n):
-    """Seconds per call: ``n`` back-to-back calls (rotating input sets), then one sync."""
-    t = time.perf_counter()
-    out = None
-    for i in range(n):
-        out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n
-
-
 def ceilings():
     """Measured copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s)."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1 << 29,)), jnp.bfloat16)  # 1 GiB
     cp = jax.jit(lambda a: a * 2)
     jax.block_until_ready(cp(x))
-    bw = 2 * x.size * 2 / min(time_calls(cp, [(x,)], 10) for _ in range(3))
+    bw = 2 * x.size * 2 / min(H.time_back_to_back(cp, [(x,)], 10) for _ in range(3))
     del x
     n = 8192
     a = jnp.asarray(np.random.default_rng(1).standard_normal((n, n)), jnp.bfloat16)
     b = jnp.asarray(np.random.default_rng(2).standard_normal((n, n)), jnp.bfloat16)
     mm = jax.jit(lambda a, b: a @ b)
     jax.block_until_ready(mm(a, b))
-    rate = 2 * n ** 3 / min(time_calls(mm, [(a, b)], 10) for _ in range(3))
+    rate = 2 * n ** 3 / min(H.time_back_to_back(mm, [(a, b)], 10) for _ in range(3))
     return bw, rate
 
 
 def floor_s(hist, ql, P, hq, bw, rate):
     local = local_history_lengths(hist, P)[0]
     ql = np.asarray(ql, np.int64)
-    H, nq = P * hq, int(ql.sum())
-    byts = (2 * int(local.sum()) * D * 2 + nq * H * D * 2 + 2 * nq * D * 2
-            + nq * (hq if P == 1 else H + hq) * D * 2)
-    flops = 4 * D * (H * int((ql * local).sum()) + hq * int((ql * (ql + 1) // 2).sum()))
+    heads, nq = P * hq, int(ql.sum())
+    byts = (2 * int(local.sum()) * D * 2 + nq * heads * D * 2 + 2 * nq * D * 2
+            + nq * (hq if P == 1 else heads + hq) * D * 2)
+    flops = 4 * D * (heads * int((ql * local).sum()) + hq * int((ql * (ql + 1) // 2).sum()))
     return max(byts / bw, flops / rate), byts, flops
 
 
@@ -169,172 +150,181 @@ def padded_history(hist, P, rank, kh_shard, local, lmax_mult):
     return kh_shard[jnp.asarray(idx)][:, :, None, :], lmax
 
 
-def main(argv=None):
+def groups(a, G):
+    """The benchmark's cases as data: one :class:`harness.Case` per group of snapshots that share
+    a capacity bucket (``snapshots``: ``(name, history_lengths, query_lengths, kind)``)."""
+    out = []
+    syn = [("syn4_tiny", 4, 3000, 0, 1, 8)] if a.interpret else (SYNTHETIC[:2] if a.quick
+                                                                 else SYNTHETIC)
+    for name, n, tot, seed, P, hq in syn:
+        h, q = synthetic(n, tot, seed)
+        out.append(H.Case(name, {"snapshots": [(name, h, q, "decode")], "P": P, "hq": hq}))
+    mc = [] if a.interpret else mooncake_cases(1 if a.quick else a.mooncake)
+    for P in MOONCAKE_DCP if mc else ():
+        for kind in ("decode", "mixed"):
+            out.append(H.Case(f"mc_{kind}_P{P}", {"snapshots": [c for c in mc if c[3] == kind],
+                                                  "P": P, "hq": MOONCAKE_HQ}))
+    return out
+
+
+def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
+    """Times every method on each snapshot of one group (one capacity bucket: every snapshot
+    reuses one compiled kernel per mode); a row per snapshot."""
+    gname, cases, P, hq = case.name, case["snapshots"], case["P"], case["hq"]
+    scale = D ** -0.5
+    rows = []
+    variants = [plan_variants(h, q, P, hq, G) for _, h, q, _ in cases]
+    caps = {"attn": 0, "red": 0, "red_inputs": 0}
+    tq = hr = 0
+    for vs in variants:
+        for t in vs.values():
+            p = et.pack_engine(t, 0, num_ctas=G)
+            caps = {k: max(caps[k], v) for k, v in p.shape.capacities.items()}
+            tq, hr = max(tq, p.shape.tq_cap), max(hr, p.shape.hist_rows)
+    fns = {}
+    for (cname, hist, ql, kind), vs in zip(cases, variants):
+        heads, nq = P * hq, int(np.sum(ql))
+        plans = {k: et.pack_engine(t, 0, num_ctas=G, capacities=caps, tq_cap=tq, hist_rows=hr)
+                 for k, t in vs.items()}
+        shape = plans["cw"].shape
+        assert all(p.shape == shape for p in plans.values())
+        for fused in (True, False):
+            fns.setdefault(fused, engine_fn(shape, fused, scale))
+        local = local_history_lengths(hist, P)[0]
+        shard_mb = 2 * hr * D * 2 / 2 ** 20
+        n_sets = int(min(4, max(1, math.ceil(256 / max(shard_mb, 1)))))
+        mk = lambda *s: jnp.asarray(rng.standard_normal(s), DTYPE)  # noqa: E731
+        sets = []
+        for _ in range(n_sets):
+            qa = mk(tq, heads, D)
+            qc = qa if P == 1 else qa[:, :hq]
+            sets.append((qc, qa, mk(tq, D), mk(tq, D), mk(hr, D), mk(hr, D)))
+        methods = {}
+        dev_tables = {k: jax.device_put(p.tables) for k, p in plans.items()}  # uploaded once
+        for pk in ("cw", "cw4", "fa3"):
+            tb = dev_tables[pk]
+            methods[f"engine_{pk}"] = (fns[True], [s + (tb,) for s in sets])
+        for pk in ("fa3", "cw"):
+            tb = dev_tables[pk]
+            methods[f"staged_{pk}"] = (fns[False], [s + (tb,) for s in sets])
+        if a.interpret:  # the interpreter runs a kernel in minutes: one method, once
+            methods = {"staged_cw": methods["staged_cw"]}
+        decode_only = all(x == ql[0] for x in ql)
+        if decode_only and gname.startswith("syn") and not a.interpret:   # padded baselines: synthetic cases
+            B, qn = len(hist), int(ql[0])
+            kv_len = jnp.asarray(np.maximum(local, 1), jnp.int32)
+            # Padded layouts (built once, outside the timed region).
+            kp, lmax = padded_history(hist, P, 0, sets[0][4], local, 4096)
+            vp, _ = padded_history(hist, P, 0, sets[0][5], local, 4096)
+            qg = sets[0][1][:B * qn].reshape(B, qn * heads, D)
+            from jax.experimental.pallas.ops.gpu import decode_attention as da
+            best = None
+            for bh, ks in ((16, 16), (64, 16), (64, 32), (128, 8)):
+                if lmax % (ks * 128) or lmax // ks < 128:
+                    continue
+                f = jax.jit(lambda q, k, v, n, bh=bh, ks=ks: da.gqa(
+                    q, k, v, kv_seq_len=n, sm_scale=scale, block_h=bh, k_splits=ks))
+                try:
+                    jax.block_until_ready(f(qg, kp, vp, kv_len))
+                    tt = min(H.time_back_to_back(f, [(qg, kp, vp, kv_len)], a.calls) for _ in range(2))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  triton gqa block_h={bh} k_splits={ks}: {type(e).__name__}")
+                    continue
+                if best is None or tt < best[0]:
+                    best = (tt, bh, ks, f)
+            if best is not None:
+                methods["triton_gqa"] = (best[3], [(qg, kp, vp, kv_len)])
+            qd = qg.reshape(B, qn, heads, D)
+            cud = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+                q, k, v, key_value_seq_lengths=n, scale=scale, implementation="cudnn"))
+            try:
+                jax.block_until_ready(cud(qd, kp, vp, kv_len))
+                methods["cudnn"] = (cud, [(qd, kp, vp, kv_len)])
+            except Exception as e:  # noqa: BLE001
+                print(f"  cudnn: {type(e).__name__}: {str(e)[:120]}")
+        if P == 1:
+            methods["xla"] = xla_method(hist, ql, hq, sets[0], scale)
+        # Compile / warm up, then round-robin rounds.
+        comp = {}
+        for m, (f, args) in methods.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args[0]))
+            comp[m] = time.perf_counter() - t0
+        ts = {m: [] for m in methods}
+        for _ in range(1 if a.interpret else 2 if a.quick else a.rounds):
+            for m, (f, args) in methods.items():
+                n = 1 if a.interpret else a.calls if m != "xla" else 3
+                ts[m].append(H.time_back_to_back(f, args, n))
+        med = {m: float(np.median(v)) for m, v in ts.items()}
+        fl, byts, flops = floor_s(hist, ql, P, hq, bw, rate)
+        check = None
+        if P == 1 and "xla" in methods:
+            m_e = "staged_cw" if a.interpret else "engine_cw"
+            o_e = np.asarray(methods[m_e][0](*methods[m_e][1][0])[:nq], np.float32)
+            o_x = np.asarray(methods["xla"][0](*methods["xla"][1][0]), np.float32)[:nq]
+            check = float(np.linalg.norm(o_e - o_x) / np.linalg.norm(o_x))
+        row = {"case": cname, "group": gname, "kind": kind, "P": P, "hq": hq,
+               "requests": len(hist), "history_tokens": int(np.sum(hist)),
+               "rank_history_tokens": int(local.sum()), "query_tokens": nq,
+               "splits_cw": list(map(int, vs["cw"].plan.splits)),
+               "splits_fa3": list(map(int, vs["fa3"].plan.splits)),
+               "floor_s": fl, "bytes": byts, "flops": flops, "median_s": med,
+               "compile_s": comp, "rel_err_engine_vs_xla": check,
+               "frac_floor": {m: fl / v for m, v in med.items()}}
+        rows.append(row)
+        line = " ".join(f"{m}={v * 1e6:.0f}" for m, v in med.items())
+        print(f"{cname} P={P} floor={fl * 1e6:.0f}us {line}"
+              + (f" err_vs_xla={check:.1e}" if check is not None else ""), flush=True)
+    return rows
+
+
+TABLE_METHODS = ("engine_cw", "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
+                 "cudnn", "xla")
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "latest", "megadcp_engine.json"))
+    H.add_common_args(ap, H.latest("megadcp_engine.json"), budget_s=400.0)
     ap.add_argument("--quick", action="store_true", help="fewer cases and rounds")
-    ap.add_argument("--only", default="", help="run cases whose name contains this")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--mooncake", type=int, default=MOONCAKE_PER_KIND)
-    ap.add_argument("--budget_s", type=float, default=400.0)
-    ap.add_argument("--pack_only", action="store_true",
-                    help="CPU only: time planning and engine-table packing on the snapshots")
+    ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
+    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds per snapshot")
+    ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
+    ap.add_argument("--mooncake", type=int, default=MOONCAKE_PER_KIND,
+                    help="Mooncake snapshots per (scale, kind)")
+    ap.add_argument("--pack-only", action="store_true",
+                    help="host only: time planning and engine-table packing on the snapshots")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke test: one tiny case, 4 CTAs, the Mosaic GPU interpreter")
     a = ap.parse_args(argv)
     global INTERPRET
     INTERPRET = a.interpret
     if a.pack_only:
-        return pack_timing(a)
-    t_start = time.perf_counter()
-    dev = jax.devices()[0]
+        return pack_timing(a, argv)
     G = 4 if a.interpret else eng.EngineConfig().grid()
     bw, rate = (1e12, 1e14) if a.interpret else ceilings()
-    print(f"device {dev.device_kind}, {G} SMs, jax {jax.__version__}; copy {bw / 1e12:.2f} TB/s, "
-          f"bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    res = {"argv": sys.argv, "git_sha": git_sha(), "device": dev.device_kind, "num_sms": G,
-           "jax": jax.__version__, "platform": platform.platform(), "date": time.strftime("%F %T"),
-           "copy_bytes_per_s": bw, "matmul_flops_per_s": rate, "cases": []}
+    report = H.Report("benchmarks.megadcp_engine", a.out, argv, quiet=("splits_cw", "splits_fa3"),
+                      num_sms=G, copy_bytes_per_s=bw, matmul_flops_per_s=rate)
+    print(f"device {report.meta['device_kind']}, {G} SMs, jax {report.meta['jax']}; copy "
+          f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rng = np.random.default_rng(0)
-    scale = D ** -0.5
-    groups = []   # (group name, [(case name, hist, ql, kind)], P, hq)
-    syn = [("syn4_tiny", 4, 3000, 0, 1, 8)] if a.interpret else (SYNTHETIC[:2] if a.quick
-                                                                 else SYNTHETIC)
-    for name, n, tot, seed, P, hq in syn:
-        h, q = synthetic(n, tot, seed)
-        groups.append((name, [(name, h, q, "decode")], P, hq))
-    mc = [] if a.interpret else mooncake_cases(1 if a.quick else a.mooncake)
-    for P in MOONCAKE_DCP if mc else ():
-        for kind in ("decode", "mixed"):
-            cs = [c for c in mc if c[3] == kind]
-            groups.append((f"mc_{kind}_P{P}", cs, P, MOONCAKE_HQ))
-    rows = []
-    for gname, cases, P, hq in groups:
-        cases = [c for c in cases if a.only in c[0] or a.only in gname]
-        if not cases:
-            continue
-        if time.perf_counter() - t_start > a.budget_s:
-            print(f"budget reached, skipping {gname}", flush=True)
-            continue
-        # One capacity bucket per group: every case reuses one compiled kernel per mode.
-        variants = [plan_variants(h, q, P, hq, G) for _, h, q, _ in cases]
-        caps = {"attn": 0, "red": 0, "red_inputs": 0}
-        tq = hr = 0
-        for vs in variants:
-            for t in vs.values():
-                p = et.pack_engine(t, 0, num_ctas=G)
-                caps = {k: max(caps[k], v) for k, v in p.shape.capacities.items()}
-                tq, hr = max(tq, p.shape.tq_cap), max(hr, p.shape.hist_rows)
-        fns = {}
-        for (cname, hist, ql, kind), vs in zip(cases, variants):
-            H, nq = P * hq, int(np.sum(ql))
-            plans = {k: et.pack_engine(t, 0, num_ctas=G, capacities=caps, tq_cap=tq, hist_rows=hr)
-                     for k, t in vs.items()}
-            shape = plans["cw"].shape
-            assert all(p.shape == shape for p in plans.values())
-            for fused in (True, False):
-                fns.setdefault(fused, engine_fn(shape, fused, scale))
-            local = local_history_lengths(hist, P)[0]
-            shard_mb = 2 * hr * D * 2 / 2 ** 20
-            n_sets = int(min(4, max(1, math.ceil(256 / max(shard_mb, 1)))))
-            mk = lambda *s: jnp.asarray(rng.standard_normal(s), DTYPE)  # noqa: E731
-            sets = []
-            for _ in range(n_sets):
-                qa = mk(tq, H, D)
-                qc = qa if P == 1 else qa[:, :hq]
-                sets.append((qc, qa, mk(tq, D), mk(tq, D), mk(hr, D), mk(hr, D)))
-            methods = {}
-            dev_tables = {k: jax.device_put(p.tables) for k, p in plans.items()}  # uploaded once
-            for pk in ("cw", "cw4", "fa3"):
-                tb = dev_tables[pk]
-                methods[f"engine_{pk}"] = (fns[True], [s + (tb,) for s in sets])
-            for pk in ("fa3", "cw"):
-                tb = dev_tables[pk]
-                methods[f"staged_{pk}"] = (fns[False], [s + (tb,) for s in sets])
-            decode_only = all(x == ql[0] for x in ql)
-            if decode_only and gname.startswith("syn") and not a.interpret:   # padded baselines: synthetic cases
-                B, qn = len(hist), int(ql[0])
-                kv_len = jnp.asarray(np.maximum(local, 1), jnp.int32)
-                # Padded layouts (built once, outside the timed region).
-                kp, lmax = padded_history(hist, P, 0, sets[0][4], local, 4096)
-                vp, _ = padded_history(hist, P, 0, sets[0][5], local, 4096)
-                qg = sets[0][1][:B * qn].reshape(B, qn * H, D)
-                from jax.experimental.pallas.ops.gpu import decode_attention as da
-                best = None
-                for bh, ks in ((16, 16), (64, 16), (64, 32), (128, 8)):
-                    if lmax % (ks * 128) or lmax // ks < 128:
-                        continue
-                    f = jax.jit(lambda q, k, v, n, bh=bh, ks=ks: da.gqa(
-                        q, k, v, kv_seq_len=n, sm_scale=scale, block_h=bh, k_splits=ks))
-                    try:
-                        jax.block_until_ready(f(qg, kp, vp, kv_len))
-                        tt = min(time_calls(f, [(qg, kp, vp, kv_len)], a.calls) for _ in range(2))
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  triton gqa block_h={bh} k_splits={ks}: {type(e).__name__}")
-                        continue
-                    if best is None or tt < best[0]:
-                        best = (tt, bh, ks, f)
-                if best is not None:
-                    methods["triton_gqa"] = (best[3], [(qg, kp, vp, kv_len)])
-                qd = qg.reshape(B, qn, H, D)
-                cud = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
-                    q, k, v, key_value_seq_lengths=n, scale=scale, implementation="cudnn"))
-                try:
-                    jax.block_until_ready(cud(qd, kp, vp, kv_len))
-                    methods["cudnn"] = (cud, [(qd, kp, vp, kv_len)])
-                except Exception as e:  # noqa: BLE001
-                    print(f"  cudnn: {type(e).__name__}: {str(e)[:120]}")
-            if P == 1:
-                methods["xla"] = xla_method(hist, ql, hq, sets[0], scale)
-            # Compile / warm up, then round-robin rounds.
-            comp = {}
-            for m, (f, args) in methods.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*args[0]))
-                comp[m] = time.perf_counter() - t0
-            ts = {m: [] for m in methods}
-            for _ in range(2 if a.quick else a.rounds):
-                for m, (f, args) in methods.items():
-                    n = a.calls if m != "xla" else 3
-                    ts[m].append(time_calls(f, args, n))
-            med = {m: float(np.median(v)) for m, v in ts.items()}
-            fl, byts, flops = floor_s(hist, ql, P, hq, bw, rate)
-            check = None
-            if P == 1 and "xla" in methods:
-                o_e = np.asarray(fns[True](*methods["engine_cw"][1][0])[:nq], np.float32)
-                o_x = np.asarray(methods["xla"][0](*methods["xla"][1][0]), np.float32)[:nq]
-                check = float(np.linalg.norm(o_e - o_x) / np.linalg.norm(o_x))
-            row = {"case": cname, "group": gname, "kind": kind, "P": P, "hq": hq,
-                   "requests": len(hist), "history_tokens": int(np.sum(hist)),
-                   "rank_history_tokens": int(local.sum()), "query_tokens": nq,
-                   "splits_cw": list(map(int, vs["cw"].plan.splits)),
-                   "splits_fa3": list(map(int, vs["fa3"].plan.splits)),
-                   "floor_s": fl, "bytes": byts, "flops": flops, "median_s": med,
-                   "compile_s": comp, "rel_err_engine_vs_xla": check,
-                   "frac_floor": {m: fl / v for m, v in med.items()}}
-            rows.append(row)
-            res["cases"].append(row)
-            line = " ".join(f"{m}={v * 1e6:.0f}" for m, v in med.items())
-            print(f"{cname} P={P} floor={fl * 1e6:.0f}us {line}"
-                  + (f" err_vs_xla={check:.1e}" if check is not None else ""), flush=True)
-    res["summary"] = summarize(rows)
-    res["elapsed_s"] = time.perf_counter() - t_start
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print_table(rows, res["summary"])
+    H.run(H.select(groups(a, G), a.cases), lambda c: measure_group(c, a, G, bw, rate, rng),
+          report, H.Budget(a.budget_s))
+    rows = [r for r in report.rows if "median_s" in r]
+    summary = summarize(rows)
+    report.update(summary=summary)
+    print_table(rows, summary)
+    return 0
 
 
-def pack_timing(a):
+def pack_timing(a, argv):
     """Host time of planning (``build_tables``) and packing (``pack_engine``, rank 0) per step."""
-    mc = mooncake_cases(a.mooncake)
-    out = {"argv": sys.argv, "git_sha": git_sha(), "platform": platform.platform(),
-           "cpus": os.cpu_count(), "load": os.getloadavg(), "rows": []}
+    report = H.Report("benchmarks.megadcp_engine --pack-only", a.out, argv, devices=False,
+                      loadavg_start=os.getloadavg()[0])
+    snaps = mooncake_cases(a.mooncake)
     for P in MOONCAKE_DCP:
         for kind in ("decode", "mixed"):
             tp, tk = [], []
-            for _, h, q, k in mooncake_cases(a.mooncake):
+            for _, h, q, k in snaps:
                 if k != kind:
                     continue
                 t0 = time.perf_counter()
@@ -343,16 +333,13 @@ def pack_timing(a):
                 et.pack_engine(t, 0, num_ctas=132)
                 tp.append(t1 - t0)
                 tk.append(time.perf_counter() - t1)
-            row = {"P": P, "kind": kind, "steps": len(tp),
-                   "plan_ms_p50": 1e3 * float(np.percentile(tp, 50)),
-                   "plan_ms_p95": 1e3 * float(np.percentile(tp, 95)),
-                   "pack_ms_p50": 1e3 * float(np.percentile(tk, 50)),
-                   "pack_ms_p95": 1e3 * float(np.percentile(tk, 95))}
-            out["rows"].append(row)
-            print(json.dumps(row), flush=True)
-    del mc
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+            report.add({"case": f"{kind} P={P}", "P": P, "kind": kind, "steps": len(tp),
+                        "plan_ms_p50": 1e3 * float(np.percentile(tp, 50)),
+                        "plan_ms_p95": 1e3 * float(np.percentile(tp, 95)),
+                        "pack_ms_p50": 1e3 * float(np.percentile(tk, 50)),
+                        "pack_ms_p95": 1e3 * float(np.percentile(tk, 95))})
+    report.update(loadavg_end=os.getloadavg()[0])
+    return 0
 
 
 def xla_method(hist, ql, hq, s, scale):
@@ -391,23 +378,28 @@ def summarize(rows):
                                                     ("engine_cw", "engine_cw4", "engine_fa3"))
                  for r in mc])
     for r in rows:
-        if r["group"].startswith("syn"):
+        if r["group"].startswith("syn") and best_engine(r["median_s"]) is not None:
             m = r["median_s"]
-            best = min(m[k] for k in ("engine_cw", "engine_cw4", "engine_fa3"))
+            best = best_engine(m)
             out[r["case"]] = {"frac_floor_best_engine": r["floor_s"] / best,
                               "speedup_vs_triton": (m["triton_gqa"] / best) if "triton_gqa" in m else None,
                               "speedup_vs_staged_fa3": m["staged_fa3"] / best}
     return out
 
 
+def best_engine(m):
+    """The fastest fused-engine time of a row's medians (None where none ran, e.g. --interpret)."""
+    ts = [m[k] for k in ("engine_cw", "engine_cw4", "engine_fa3") if k in m]
+    return min(ts) if ts else None
+
+
 def print_table(rows, summary):
-    ms = ["engine_cw", "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
-          "cudnn", "xla"]
+    ms = TABLE_METHODS
     print("\n| case | P | rank hist tok | floor us | " + " | ".join(ms) + " | best engine % floor |")
     print("|" + "---|" * (len(ms) + 5))
     for r in rows:
         m = r["median_s"]
-        best = min(m[k] for k in ("engine_cw", "engine_cw4", "engine_fa3"))
+        best = best_engine(m) or min(m.values())
         cells = [f"{m[k] * 1e6:.0f}" if k in m else "-" for k in ms]
         print(f"| {r['case']} | {r['P']} | {r['rank_history_tokens']} | {r['floor_s'] * 1e6:.0f} | "
               + " | ".join(cells) + f" | {100 * r['floor_s'] / best:.0f} |")
@@ -415,4 +407,4 @@ def print_table(rows, summary):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -142,3 +142,18 @@ def test_host_scripts_smoke(tmp_path):
     d = json.loads(out.read_text())
     assert [(r["kind"], r["dcp"]) for r in d["rows"]] == [(k, p) for k in ("mixed", "decode") for p in (2, 4, 8)]
     assert d["meta"]["script"] == "benchmarks.dcp_planner"
+
+
+def test_megadcp_engine_smoke(tmp_path):
+    """The engine benchmark end to end on the CPU: host packing on Mooncake snapshots, and one tiny
+    decode step of the staged engine in the Mosaic GPU interpreter checked against the XLA path."""
+    from benchmarks import megadcp_engine
+    out = tmp_path / "pack.json"
+    assert megadcp_engine.main(["--pack-only", "--mooncake", "1", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["meta"]["script"] == "benchmarks.megadcp_engine --pack-only" and d["rows"]
+    out = tmp_path / "engine.json"
+    assert megadcp_engine.main(["--interpret", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["median_s"]) == {"staged_cw", "xla"}
+    assert row["rel_err_engine_vs_xla"] < 2e-2  # bf16
