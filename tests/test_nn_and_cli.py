@@ -1,6 +1,5 @@
 """Flax NNX module, the training example and the demo / CLI entry points."""
 import os
-import subprocess
 import sys
 
 import jax
@@ -37,21 +36,10 @@ def test_train_example_losses_match():
     assert np.max(np.abs(cp - dense) / np.abs(dense)) <= 1e-4
 
 
-@pytest.mark.parametrize("args,expect", [(["demo", "--tokens", "2K"], "OK"),
-                                         (["plan", "--dataset", "github", "--tokens", "64K", "--batches", "2",
-                                           "--no-progress"], "buddyring")])
-def test_cli(args, expect):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-m", "liquidcp_jax", *args], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert expect in r.stdout
-
-
 def test_demo_sampled_check_in_process(capsys):
     from liquidcp_jax import demo
-    assert demo.main(["--tokens", "1K", "--check", "sampled", "--cpu", "--placement", "all_cp"]) == 0
+    assert demo.main(["--tokens", "1K", "--check", "sampled", "--cpu", "--placement", "all_cp",
+                      "--no-cache"]) == 0
     out = capsys.readouterr().out
     assert "sampled: KV head" in out and "dq(rows)=" in out and "OK" in out
 
