@@ -124,10 +124,13 @@ def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute
     return _megaring_ring_jit(q, k, v, ring, plan.static, spec)
 
 
-def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool) -> int:
-    """Validates a call's ``q, k, v`` against ``plan`` and ``causal``; returns the head dim."""
+def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool | None) -> int:
+    """Validates a call's ``q, k, v`` against ``plan`` and ``causal`` (``None``: the plan's);
+    returns the head dim."""
     if not isinstance(plan, MegaRingPlan):
         raise ValueError(f"plan must be a MegaRingPlan from lcp.plan_megaring; got {type(plan).__name__}")
+    if causal is None:
+        causal = plan.static.causal
     T, hq, hkv, d = check_qkv(q, k, v)
     if T != plan.cp_tokens:
         raise ValueError(f"q has {T} tokens; expected {plan.cp_tokens} (the plan's CP layout: "
@@ -147,7 +150,7 @@ def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool) -> int:
     return d
 
 
-def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = True,
+def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool | None = None,
                                 scale: float | None = None, backend: str = "auto"):
     """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]``
     f32. Only the XLA executor propagates LSE cotangents, so ``"auto"`` means ``"xla"`` here."""
@@ -155,7 +158,7 @@ def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = T
     return BACKENDS.select(backend, call, auto=("xla",))[0].run(call)
 
 
-def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
+def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool | None = None, scale: float | None = None,
                        backend: str = "auto"):
     """Context-parallel attention over a planned packed batch (differentiable).
 
@@ -163,7 +166,8 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scal
       q: ``[N * capacity, Hq, D]`` in the plan's CP layout (``plan.shard``).
       k, v: ``[N * capacity, Hkv, D]``, ``Hq % Hkv == 0`` (GQA).
       plan: from :func:`plan_megaring` (pass it through ``jit`` as an argument).
-      causal: must match the plan.
+      causal: default the plan's (``plan_megaring(..., causal=...)`` decides the mask); an
+        explicit value must match it.
       scale: softmax scale, default ``1/sqrt(D)``.
       backend: ``"auto"``, a name of :data:`BACKENDS` or ``"pallas"``. ``"xla"``: the portable
         executor. ``"pallas"``: the Mosaic GPU kernels (Hopper): ``"pallas_one_step"`` (one call
