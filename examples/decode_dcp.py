@@ -11,10 +11,11 @@ The same model runs twice: with plain dense decode attention (jnp, one device) a
 ``lcp.megadcp_attention`` over the ``"dcp"`` mesh axis. The generated tokens must be equal.
 
     python examples/decode_dcp.py [--new-tokens 8] [--dcp 8] [--prefill-chunk 16]
+
+JAX's persistent compilation cache is on (``--cache-dir``, ``--no-cache``, ``$LIQUIDCP_CACHE_DIR``).
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import liquidcp_jax as lcp  # noqa: E402
+from liquidcp_jax import cli  # noqa: E402
 
 
 def rope(x, positions, base: float = 10000.0):
@@ -270,24 +272,33 @@ def pinned_capacities(steps, mesh, num_q_heads: int, head_dim: int):
     return caps
 
 
+def _int_list(value: str) -> list[int]:
+    """``--prompt-lengths``: ``"5,23,40"`` -> ``[5, 23, 40]`` (each >= 1)."""
+    return [cli.positive_int(x.strip()) for x in value.split(",")]
+
+
 def main(argv=None, log=print):
     """Runs both paths; returns ``{"dense", "megadcp"}`` tokens ``[R, new_tokens]``, the logits'
     ``logits_rel_error``, the jitted step ``traces`` per path and the ``steps`` schedule."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--dcp", type=int, default=8, help="DCP degree P (mesh axis size)")
-    ap.add_argument("--prompt-lengths", default="5,23,40,11", help="comma-separated prompt lengths")
-    ap.add_argument("--prefill-chunk", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = cli.ArgumentParser(prog="decode_dcp.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=cli.positive_int, default=8, help="tokens to generate.")
+    ap.add_argument("--dcp", type=cli.positive_int, default=8, help="DCP degree P (mesh axis size).")
+    ap.add_argument("--prompt-lengths", type=_int_list, default="5,23,40,11",
+                    help="comma-separated prompt lengths.")
+    ap.add_argument("--prefill-chunk", type=cli.positive_int, default=16,
+                    help="prompt tokens per prefill step.")
+    ap.add_argument("--layers", type=cli.positive_int, default=2, help="decoder layers.")
+    ap.add_argument("--head-dim", type=cli.positive_int, default=16, help="head dimension D.")
+    ap.add_argument("--seed", type=cli.nonnegative_int, default=0, help="model and prompt seed.")
+    cli.add_cache_arguments(ap)
     args = ap.parse_args(argv)
+    cli.cache_dir_from(args)
     vocab, d_model = 97, 64
     num_q_heads = 2 * args.dcp  # each rank owns Hq / P = 2 query heads of the one KV head
     if args.dcp > jax.device_count():
         raise ValueError(f"--dcp {args.dcp} exceeds the {jax.device_count()} available devices")
     mesh = jax.make_mesh((args.dcp,), ("dcp",))
-    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    lengths = args.prompt_lengths
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, vocab, n) for n in lengths]
     model = TinyDecoder(vocab, d_model, args.layers, num_q_heads, args.head_dim, rngs=nnx.Rngs(args.seed))
@@ -316,4 +327,4 @@ def main(argv=None, log=print):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_script(main))

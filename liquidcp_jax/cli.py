@@ -353,6 +353,21 @@ def build_parser(prog: str = "liquidcp") -> ArgumentParser:
     return ap
 
 
+def run_script(main_fn, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Runs an example's ``main(argv)`` the way the ``liquidcp`` commands run: usage errors (its
+    parser should be :class:`ArgumentParser`) and ``ValueError`` become one line on stderr and
+    exit status 2; returns the status (``main``'s return value when it is an int, else 0)."""
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        rc = main_fn(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except ValueError as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    return rc if isinstance(rc, int) else 0
+
+
 def main(argv: list[str] | None = None, prog: str = "liquidcp") -> int:
     """Runs the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
