@@ -52,7 +52,7 @@ def evaluate(dataset: str, tokens, num_devices: int, batches: int, *, seed: int 
     per = {name: {"d_t": [], "d_w": [], "shards": [], "comm": [], "feasible": [], "ms": []}
            for name in PLANNERS}
     example = {}
-    it = optional.progress(range(seed, seed + batches), total=batches, unit="batch",
+    it = optional.progress(range(seed, seed + batches), total=batches, unit="batches",
                            desc=f"{dataset} {format_tokens(budget)}", enabled=progress)
     for s in it:
         lengths = sample_batch(dataset, budget, s)
