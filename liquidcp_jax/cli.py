@@ -388,6 +388,9 @@ def main(argv: list[str] | None = None, prog: str = "liquidcp") -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:          # e.g. `liquidcp bench | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, MissingExtraError) as e:
         if args.debug:
             raise
