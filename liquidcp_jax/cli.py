@@ -74,24 +74,21 @@ def dataset_type(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+def _int_type(lo: int, what: str):
+    """An argparse ``type``: an int ``>= lo``, else one line saying ``expected {what}``."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+        return n
+    return parse
 
 
-def nonnegative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return n
+positive_int = _int_type(1, "a positive integer")
+nonnegative_int = _int_type(0, "an integer >= 0")
 
 
 def power_of_two(value: str) -> int:

@@ -29,8 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx.nn import initializers
-from flax.nnx.nn.linear import default_kernel_init
 
 from liquidcp_jax.megaring import MegaRingPlan, megaring_attention
 
@@ -97,8 +95,9 @@ class ContextParallelAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, *, use_rope: bool = True, causal: bool = True,
                  rope_base: float = 10000.0, dtype=None, param_dtype=jnp.float32,
-                 kernel_init: Callable = default_kernel_init, out_kernel_init: Callable | None = None,
-                 bias_init: Callable = initializers.zeros_init(), use_bias: bool = False,
+                 kernel_init: Callable = nnx.initializers.lecun_normal(),
+                 out_kernel_init: Callable | None = None,
+                 bias_init: Callable = nnx.initializers.zeros_init(), use_bias: bool = False,
                  precision: Any = None, rngs: nnx.Rngs):
         for name, val in (("d_model", d_model), ("num_heads", num_heads)):
             _positive_int(val, name)
