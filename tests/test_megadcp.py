@@ -213,3 +213,8 @@ def test_several_kv_heads(P, Hkv, dtype, rng):
         lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq + 1, num_kv_heads=Hkv)
     with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
         lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq, num_kv_heads=0)
+    # the GPU engine runs one KV head: "auto" takes the XLA executor, "pallas" says why not
+    with pytest.raises(ValueError, match=rf"one KV head per DCP group; the plan has num_kv_heads={Hkv}"):
+        lcp.megadcp_attention(q, kn, vn, kh_s, vh_s, plan, history_layout="sharded", backend="pallas")
+    with pytest.raises(ValueError, match="engine=True: the GPU engine runs one KV head"):
+        lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq, num_kv_heads=Hkv, tile=16, engine=True)
