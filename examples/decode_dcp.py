@@ -1,9 +1,9 @@
 """Greedy decoding with decode context parallelism (MegaDCP) on an emulated 8-device mesh.
 
-A tiny Flax NNX decoder (token embedding, RoPE, 2 layers of GQA attention with ONE KV head, i.e.
-one DCP group whose P ranks share that head, and an MLP) generates tokens for prompts of
-different lengths. Its KV cache is one packed history array per layer, ``[sum(history), 1, D]``,
-extended after every step. Each step is a batch of (history_lengths, query_lengths): prompts are
+A tiny Flax NNX decoder (token embedding, RoPE, 2 layers of GQA attention with ``--kv-heads``
+KV heads, each shared by the P ranks of the DCP group, and an MLP) generates tokens for prompts
+of different lengths. Its KV cache is one packed history array per layer,
+``[sum(history), Hkv, D]``, extended after every step. Each step is a batch of (history_lengths, query_lengths): prompts are
 prefilled in chunks (so early steps are mixed batches of prefill chunks and decodes), then every
 request decodes one token per step.
 
@@ -11,10 +11,11 @@ The same model runs twice: with plain dense decode attention (jnp, one device) a
 ``lcp.megadcp_attention`` over the ``"dcp"`` mesh axis. The generated tokens must be equal.
 
     python examples/decode_dcp.py [--new-tokens 8] [--dcp 8] [--prefill-chunk 16]
+
+JAX's persistent compilation cache is on (``--cache-dir``, ``--no-cache``, ``$LIQUIDCP_CACHE_DIR``).
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import liquidcp_jax as lcp  # noqa: E402
+from liquidcp_jax import cli  # noqa: E402
 
 
 def rope(x, positions, base: float = 10000.0):
@@ -49,8 +51,9 @@ def dense_decode_attention(q, k_new, v_new, k_hist, v_hist, hist_seg, q_seg, q_p
     and stays finite).
 
     Args:
-      q: ``[Tq, Hq, D]``; k_new, v_new: ``[Tq, 1, D]``; k_hist, v_hist: ``[N, 1, D]`` packed
-        history (request by request, padded at the end).
+      q: ``[Tq, Hq, D]``; k_new, v_new: ``[Tq, Hkv, D]``; k_hist, v_hist: ``[N, Hkv, D]`` packed
+        history (request by request, padded at the end); query head ``h`` reads KV head
+        ``h // (Hq / Hkv)``.
       hist_seg: ``[N]`` request of each history row; q_seg, q_pos: ``[Tq]`` request and index
         within the request's new tokens.
     Returns:
@@ -59,21 +62,25 @@ def dense_decode_attention(q, k_new, v_new, k_hist, v_hist, hist_seg, q_seg, q_p
     same_new = q_seg[None, :] == q_seg[:, None]
     mask = jnp.concatenate([hist_seg[None, :] == q_seg[:, None],
                             same_new & (q_pos[None, :] <= q_pos[:, None])], axis=1)
-    k = jnp.concatenate([k_hist, k_new])[:, 0]
-    v = jnp.concatenate([v_hist, v_new])[:, 0]
-    s = jnp.einsum("thd,kd->thk", q, k) * q.shape[-1] ** -0.5
-    s = jnp.where(mask[:, None, :], s, -jnp.inf)
-    return jnp.einsum("thk,kd->thd", jax.nn.softmax(s, axis=-1), v).astype(q.dtype)
+    k = jnp.concatenate([k_hist, k_new])
+    v = jnp.concatenate([v_hist, v_new])
+    tq, hq, d = q.shape
+    qg = q.reshape(tq, k.shape[1], hq // k.shape[1], d)                      # [Tq, Hkv, G, D]
+    s = jnp.einsum("tjgd,kjd->tjgk", qg, k) * d ** -0.5
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    out = jnp.einsum("tjgk,kjd->tjgd", jax.nn.softmax(s, axis=-1), v)
+    return out.reshape(tq, hq, d).astype(q.dtype)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm GQA attention (``num_q_heads`` query heads, one KV head) + GELU MLP."""
+    """Pre-norm GQA attention (``num_q_heads`` query heads, ``num_kv_heads`` KV heads) + GELU MLP."""
 
-    def __init__(self, d_model: int, num_q_heads: int, head_dim: int, *, rngs: nnx.Rngs):
-        self.hq, self.dh = num_q_heads, head_dim
+    def __init__(self, d_model: int, num_q_heads: int, head_dim: int, *, num_kv_heads: int = 1,
+                 rngs: nnx.Rngs):
+        self.hq, self.hkv, self.dh = num_q_heads, num_kv_heads, head_dim
         self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
         self.q_proj = nnx.Linear(d_model, num_q_heads * head_dim, use_bias=False, rngs=rngs)
-        self.kv_proj = nnx.Linear(d_model, 2 * head_dim, use_bias=False, rngs=rngs)
+        self.kv_proj = nnx.Linear(d_model, 2 * num_kv_heads * head_dim, use_bias=False, rngs=rngs)
         # A strong attention branch makes the next token depend on the context, not only on the
         # current token (a random model otherwise falls into fixed points), so matching tokens
         # exercise the attention.
@@ -85,10 +92,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, attend):
         """``x: [Tq, d_model]``; ``attend(q, k_new, v_new) -> [Tq, Hq, D]``.
-        Returns ``(x, (k_new, v_new))`` with ``k_new, v_new: [Tq, 1, D]`` for the cache."""
+        Returns ``(x, (k_new, v_new))`` with ``k_new, v_new: [Tq, Hkv, D]`` for the cache."""
         h = self.norm1(x)
         q = rope(self.q_proj(h).reshape(-1, self.hq, self.dh), positions)
-        kv = self.kv_proj(h).reshape(-1, 2, 1, self.dh)
+        kv = self.kv_proj(h).reshape(-1, 2, self.hkv, self.dh)
         k_new, v_new = rope(kv[:, 0], positions), kv[:, 1]
         x = x + self.o_proj(attend(q, k_new, v_new).reshape(x.shape[0], -1))
         x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
@@ -99,9 +106,10 @@ class TinyDecoder(nnx.Module):
     """Token embedding, ``num_layers`` :class:`DecoderLayer`, final norm, LM head."""
 
     def __init__(self, vocab: int, d_model: int, num_layers: int, num_q_heads: int, head_dim: int,
-                 *, rngs: nnx.Rngs):
+                 *, num_kv_heads: int = 1, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(d_model, num_q_heads, head_dim, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(d_model, num_q_heads, head_dim,
+                                             num_kv_heads=num_kv_heads, rngs=rngs)
                                 for _ in range(num_layers)])
         self.norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, use_bias=False, rngs=rngs)
@@ -216,12 +224,14 @@ def generate(model: TinyDecoder, prompts, new_tokens: int, *, attention: str, me
     d = model.layers[0].dh
     if capacities is None:
         capacities = ({"query_tokens": max(int(q.sum()) for _, q in steps)} if attention == "dense"
-                      else pinned_capacities(steps, mesh, model.layers[0].hq, d))
+                      else pinned_capacities(steps, mesh, model.layers[0].hq, d,
+                                             model.layers[0].hkv))
     tq_cap = int(capacities["query_tokens"])
     cache_cap = int(max((h + q).sum() for h, q in steps)) + 1  # + 1: a row that is always padding
     prompt_tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
     p_off = np.cumsum(lengths) - np.asarray(lengths)
-    caches = [(jnp.zeros((cache_cap, 1, d)), jnp.zeros((cache_cap, 1, d))) for _ in model.layers]
+    hkv = model.layers[0].hkv
+    caches = [(jnp.zeros((cache_cap, hkv, d)), jnp.zeros((cache_cap, hkv, d))) for _ in model.layers]
     if attention == "megadcp":
         # Start the cache with the sharding the step returns it in, so step 2 does not retrace.
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -249,7 +259,7 @@ def generate(model: TinyDecoder, prompts, new_tokens: int, *, attention: str, me
                 jnp.asarray(_pad(q_seg, tq_cap, -2)), jnp.asarray(_pad(q_pos, tq_cap, 0)))
         else:
             plan = lcp.plan_megadcp(hist, qlen, mesh, "dcp", num_q_heads=model.layers[0].hq,
-                                    head_dim=d, tile=16, capacities=capacities)
+                                    num_kv_heads=hkv, head_dim=d, tile=16, capacities=capacities)
             logits, caches = _step_megadcp(graphdef, params, tokens, positions, caches, idx, plan)
         valid = np.asarray(logits)[:int(qlen.sum())]
         step_logits.append(valid)
@@ -260,40 +270,52 @@ def generate(model: TinyDecoder, prompts, new_tokens: int, *, attention: str, me
     return np.asarray([o[:new_tokens] for o in out], np.int64), step_logits
 
 
-def pinned_capacities(steps, mesh, num_q_heads: int, head_dim: int):
+def pinned_capacities(steps, mesh, num_q_heads: int, head_dim: int, num_kv_heads: int = 1):
     """The largest capacity bucket over a schedule's plans (pass it to every step's plan)."""
     caps: dict = {}
     for hist, qlen in steps:
         c = lcp.plan_megadcp(hist, qlen, mesh, "dcp", num_q_heads=num_q_heads, head_dim=head_dim,
-                             tile=16).capacity
+                             num_kv_heads=num_kv_heads, tile=16).capacity
         caps = {k: max(v, caps.get(k, 0)) for k, v in c.items()}
     return caps
+
+
+def _int_list(value: str) -> list[int]:
+    """``--prompt-lengths``: ``"5,23,40"`` -> ``[5, 23, 40]`` (each >= 1)."""
+    return [cli.positive_int(x.strip()) for x in value.split(",")]
 
 
 def main(argv=None, log=print):
     """Runs both paths; returns ``{"dense", "megadcp"}`` tokens ``[R, new_tokens]``, the logits'
     ``logits_rel_error``, the jitted step ``traces`` per path and the ``steps`` schedule."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--dcp", type=int, default=8, help="DCP degree P (mesh axis size)")
-    ap.add_argument("--prompt-lengths", default="5,23,40,11", help="comma-separated prompt lengths")
-    ap.add_argument("--prefill-chunk", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = cli.ArgumentParser(prog="decode_dcp.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=cli.positive_int, default=8, help="tokens to generate.")
+    ap.add_argument("--dcp", type=cli.positive_int, default=8, help="DCP degree P (mesh axis size).")
+    ap.add_argument("--prompt-lengths", type=_int_list, default="5,23,40,11",
+                    help="comma-separated prompt lengths.")
+    ap.add_argument("--prefill-chunk", type=cli.positive_int, default=16,
+                    help="prompt tokens per prefill step.")
+    ap.add_argument("--layers", type=cli.positive_int, default=2, help="decoder layers.")
+    ap.add_argument("--head-dim", type=cli.positive_int, default=16, help="head dimension D.")
+    ap.add_argument("--kv-heads", type=cli.positive_int, default=2,
+                    help="KV heads Hkv (GQA: 2 * P query heads per KV head).")
+    ap.add_argument("--seed", type=cli.nonnegative_int, default=0, help="model and prompt seed.")
+    cli.add_cache_arguments(ap)
     args = ap.parse_args(argv)
+    cli.cache_dir_from(args)
     vocab, d_model = 97, 64
-    num_q_heads = 2 * args.dcp  # each rank owns Hq / P = 2 query heads of the one KV head
+    num_q_heads = 2 * args.dcp * args.kv_heads  # each rank owns 2 query heads of every KV head
     if args.dcp > jax.device_count():
         raise ValueError(f"--dcp {args.dcp} exceeds the {jax.device_count()} available devices")
     mesh = jax.make_mesh((args.dcp,), ("dcp",))
-    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    lengths = args.prompt_lengths
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, vocab, n) for n in lengths]
-    model = TinyDecoder(vocab, d_model, args.layers, num_q_heads, args.head_dim, rngs=nnx.Rngs(args.seed))
+    model = TinyDecoder(vocab, d_model, args.layers, num_q_heads, args.head_dim,
+                        num_kv_heads=args.kv_heads, rngs=nnx.Rngs(args.seed))
 
     steps = schedule(lengths, args.new_tokens, args.prefill_chunk)
-    caps = pinned_capacities(steps, mesh, num_q_heads, args.head_dim)
+    caps = pinned_capacities(steps, mesh, num_q_heads, args.head_dim, args.kv_heads)
     before = dict(TRACES)
     dense, dense_logits = generate(model, prompts, args.new_tokens, attention="dense",
                                    prefill_chunk=args.prefill_chunk, capacities=caps)
@@ -302,7 +324,7 @@ def main(argv=None, log=print):
     err = max(lcp.reference.rel_error(a, b) for a, b in zip(dcp_logits, dense_logits))
     log(f"{len(prompts)} prompts of lengths {lengths}, {len(steps)} steps "
         f"({sum(1 for h, q in steps if (q > 1).any())} with prefill chunks), DCP degree {args.dcp}, "
-        f"Hq={num_q_heads}, one KV head, D={args.head_dim}")
+        f"Hq={num_q_heads}, Hkv={args.kv_heads}, D={args.head_dim}")
     for r in range(len(prompts)):
         log(f"  request {r}: dense   {dense[r].tolist()}")
         log(f"  request {r}: megadcp {dcp[r].tolist()}")
@@ -316,4 +338,4 @@ def main(argv=None, log=print):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_script(main))

@@ -1,8 +1,8 @@
-"""``python -m liquidcp_jax plan``: compare placements on sampled batches.
+"""``liquidcp plan`` (``python -m liquidcp_jax plan``): compare placements on sampled batches.
 
 Example::
 
-    python -m liquidcp_jax plan --dataset freelaw --tokens 128K --devices 8 --batches 100 --out out/
+    liquidcp plan --dataset freelaw --tokens 128K --devices 8 --batches 100 --out out/
 
 prints a table (mean / max ``D_T`` and ``D_W``, shards, communication proxy,
 tolerance hit rate, planning time) for BuddyRing, Megatron hybrid CP, Zeppelin
@@ -11,7 +11,6 @@ plus a PNG of per-device token and attention load for the first batch.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -19,12 +18,13 @@ import time
 
 import numpy as np
 
+from liquidcp_jax import optional
 from liquidcp_jax.placement import metrics
 from liquidcp_jax.placement.megatron import megatron_hybrid_cp
 from liquidcp_jax.placement.zeppelin import zeppelin
 from liquidcp_jax.placement.buddyring.search import buddyring
 from liquidcp_jax.placement.types import all_cp
-from liquidcp_jax.workloads import parse_tokens, sample_batch
+from liquidcp_jax.workloads import format_tokens, parse_tokens, sample_batch
 
 #: Placement name -> planner ``(lengths, num_devices) -> Placement``.  Megatron runs with
 #: ``cap=True`` (MagiAttention's fix) so that documents longer than ``N * T`` are placeable.
@@ -52,10 +52,8 @@ def evaluate(dataset: str, tokens, num_devices: int, batches: int, *, seed: int 
     per = {name: {"d_t": [], "d_w": [], "shards": [], "comm": [], "feasible": [], "ms": []}
            for name in PLANNERS}
     example = {}
-    it = range(seed, seed + batches)
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(it, desc=f"{dataset} {budget // 1024}K", unit="batch", file=sys.stderr)
+    it = optional.progress(range(seed, seed + batches), total=batches, unit="batches",
+                           desc=f"{dataset} {format_tokens(budget)}", enabled=progress)
     for s in it:
         lengths = sample_batch(dataset, budget, s)
         for name, plan in PLANNERS.items():
@@ -95,8 +93,9 @@ def evaluate(dataset: str, tokens, num_devices: int, batches: int, *, seed: int 
 def format_table(result: dict) -> str:
     """A plain-text table of ``result["placements"]`` (percentages for imbalances)."""
     cfg = result["config"]
-    head = (f"{cfg['dataset']} {cfg['tokens'] // 1024}K tokens, {cfg['num_devices']} devices, "
-            f"{cfg['batches']} batches (tolerances {cfg['token_tol']:.0%} / {cfg['attn_tol']:.0%})")
+    batches = f"{cfg['batches']} batch" + ("es" if cfg["batches"] != 1 else "")
+    head = (f"{cfg['dataset']} {format_tokens(cfg['tokens'])} tokens, {cfg['num_devices']} devices, "
+            f"{batches} (tolerances {cfg['token_tol']:.0%} / {cfg['attn_tol']:.0%})")
     cols = ("placement", "D_T mean", "D_T max", "D_W mean", "D_W max", "shards", "comm proxy",
             "hit rate", "plan ms med", "plan ms p95")
     rows = [cols]
@@ -113,8 +112,9 @@ def format_table(result: dict) -> str:
 
 
 def plot_example(result: dict, path: str) -> None:
-    """PNG of per-device tokens and attention work of the first batch, relative to the mean."""
-    import matplotlib
+    """PNG of per-device tokens and attention work of the first batch, relative to the mean
+    (needs matplotlib: the ``bench`` extra)."""
+    matplotlib = optional.require("matplotlib", "the plan PNG")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -137,46 +137,64 @@ def plot_example(result: dict, path: str) -> None:
         ax.set_title(f"{title} (batch seed {result['config']['seed']})")
     axes[0].legend(fontsize=8)
     cfg = result["config"]
-    fig.suptitle(f"{cfg['dataset']} {cfg['tokens'] // 1024}K on {cfg['num_devices']} devices")
+    fig.suptitle(f"{cfg['dataset']} {format_tokens(cfg['tokens'])} on {cfg['num_devices']} devices")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m liquidcp_jax plan",
-                                 description="Compare BuddyRing with baseline placements.")
-    ap.add_argument("--dataset", default="freelaw",
-                    help="prolong | arxiv | freelaw | github | pilecc (default freelaw)")
-    ap.add_argument("--tokens", default="128K", help="batch token budget, e.g. 64K (K = 1024)")
-    ap.add_argument("--devices", type=int, default=8, help="CP devices, a power of two")
-    ap.add_argument("--batches", type=int, default=100, help="seeded batches")
-    ap.add_argument("--seed", type=int, default=0, help="first batch seed")
-    ap.add_argument("--out", default=None, help="directory for the JSON and PNG (optional)")
-    ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return ap
+HELP = "compare BuddyRing with the Megatron, Zeppelin and all-CP placements"
+DESCRIPTION = """\
+Run BuddyRing, Megatron hybrid CP, Zeppelin and all-CP on the same seeded batches of a dataset's
+length distribution and print mean / max token and attention imbalance (D_T, D_W), shards, a
+communication proxy, the tolerance hit rate and planning time. With --out, also write
+plan_<dataset>_<tokens>.json and a PNG of the first batch's per-device loads (the PNG needs
+matplotlib: pip install 'liquidcp_jax[bench]')."""
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of the ``plan`` subcommand; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:
-        result = evaluate(args.dataset, args.tokens, args.devices, args.batches, seed=args.seed,
-                          progress=not args.no_progress)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def add_arguments(ap) -> None:
+    """The ``plan`` options (``liquidcp plan --help``)."""
+    from liquidcp_jax.cli import dataset_type, nonnegative_int, positive_int, power_of_two, tokens_type
+    ap.add_argument("--dataset", type=dataset_type, default="freelaw",
+                    help="length distribution: prolong, arxiv, freelaw, github or pilecc.")
+    ap.add_argument("--tokens", type=tokens_type, default="128K",
+                    help="batch token budget, e.g. 4096, 64K or 1M (K = 1024).")
+    ap.add_argument("--devices", type=power_of_two, default=8, help="CP devices, a power of two.")
+    ap.add_argument("--batches", type=positive_int, default=100, help="seeded batches.")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="first batch seed.")
+    ap.add_argument("--out", metavar="DIR", default=None,
+                    help="directory for the JSON report and the PNG.")
+    ap.add_argument("--no-png", action="store_true", help="write the JSON report only.")
+    ap.add_argument("--no-progress", action="store_true", help="hide the progress bar.")
+
+
+def run(args) -> int:
+    """Runs ``plan`` for parsed ``args``; returns the exit status."""
+    result = evaluate(args.dataset, args.tokens, args.devices, args.batches, seed=args.seed,
+                      progress=not args.no_progress)
     print(format_table(result))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = f"plan_{result['config']['dataset']}_{result['config']['tokens'] // 1024}K"
-        with open(os.path.join(args.out, stem + ".json"), "w") as f:
+        stem = f"plan_{result['config']['dataset']}_{format_tokens(result['config']['tokens'])}"
+        path = os.path.join(args.out, stem + ".json")
+        with open(path, "w") as f:
             json.dump({k: v for k, v in result.items() if k != "per_batch"}, f, indent=1)
-        png = os.path.join(args.out, stem + ".png")
-        plot_example(result, png)
-        print(f"wrote {os.path.join(args.out, stem + '.json')} and {png}")
+        print(f"wrote {path}")
+        if not args.no_png:
+            png = os.path.join(args.out, stem + ".png")
+            try:
+                plot_example(result, png)
+                print(f"wrote {png}")
+            except optional.MissingExtraError as e:
+                print(f"skipped the PNG: {e}", file=sys.stderr)
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``liquidcp plan ARGS`` in this process; returns the exit status."""
+    from liquidcp_jax.cli import main as cli_main
+    return cli_main(["plan", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

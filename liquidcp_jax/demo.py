@@ -1,5 +1,6 @@
-"""``python -m liquidcp_jax demo``: sample a variable-length batch, plan it, run MegaRing forward and
-backward, check against the float64 reference and print per-device loads, errors and wall time.
+"""``liquidcp demo`` (``python -m liquidcp_jax demo``): sample a variable-length batch, plan it,
+run MegaRing forward and backward, check against the float64 reference and print per-device
+loads, errors and wall time.
 
 On a CPU it emulates 8 devices; on a machine with GPUs it uses the largest power-of-two count of them.
 
@@ -14,7 +15,6 @@ row) of *every* sequence, the longest included, each against only its own sequen
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -31,18 +31,48 @@ def _has_gpu_hint() -> bool:
     return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m liquidcp_jax demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", default="pilecc", help="length distribution (pilecc, github, freelaw, arxiv, prolong)")
-    ap.add_argument("--tokens", default=None, help="batch token budget (default 4K on CPU, 64K on GPU)")
-    ap.add_argument("--placement", default="buddyring", help="buddyring | all_cp")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default f32 on CPU, bf16 on GPU)")
-    ap.add_argument("--cpu", action="store_true", help="force the emulated 8-device CPU mesh")
+HELP = "plan a sampled batch, run MegaRing forward + backward, check it against float64"
+DESCRIPTION = """\
+Sample a variable-length packed batch, plan it (BuddyRing by default), run MegaRing forward and
+backward, check the output and dQ / dK / dV against the float64 reference, and print per-device
+loads, errors and wall time. On a CPU it emulates 8 devices; with GPUs it uses the largest
+power-of-two count of them.
+
+--check full compares the whole output and gradients with the dense float64 reference;
+sampled checks one KV-head group on a subset of whole sequences plus a few rows of every
+sequence (cheap at large batches); auto is full when sum(L^2) * Hq <= 2^28, else sampled."""
+
+
+def add_arguments(ap) -> None:
+    """The ``demo`` options (``liquidcp demo --help``)."""
+    from liquidcp_jax.cli import add_cache_arguments, dataset_type, nonnegative_int, tokens_type
+    ap.add_argument("--dataset", type=dataset_type, default="pilecc",
+                    help="length distribution: pilecc, github, freelaw, arxiv or prolong.")
+    ap.add_argument("--tokens", type=tokens_type, default=None,
+                    help="batch token budget, e.g. 2048, 16K or 1M (K = 1024); default 4K on a "
+                         "CPU, 64K on GPUs.")
+    ap.add_argument("--placement", default="buddyring", choices=("buddyring", "all_cp"),
+                    help="how sequences are placed on devices.")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="batch and input seed.")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="input dtype; default float32 on a CPU, bfloat16 on GPUs.")
+    ap.add_argument("--cpu", action="store_true", help="use the emulated 8-device CPU mesh.")
     ap.add_argument("--check", default="auto", choices=("auto", "full", "sampled"),
-                    help="float64 check of the whole batch or of a sample (see the module doc)")
-    args = ap.parse_args(argv)
+                    help="float64 check of the whole batch or of a sample (see above).")
+    add_cache_arguments(ap)
+
+
+def main(argv=None) -> int:
+    """``liquidcp demo ARGS`` in this process; returns the exit status."""
+    from liquidcp_jax.cli import main as cli_main
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
+
+
+def run(args) -> int:
+    """Runs the demo for parsed ``args``; returns 0 when the check passes, 1 when it fails."""
     _setup_devices(args.cpu)
+    from liquidcp_jax.cli import cache_dir_from
+    cache = cache_dir_from(args)
 
     import jax
     import jax.numpy as jnp
@@ -56,7 +86,7 @@ def main(argv=None) -> int:
     on_gpu = devs[0].platform == "gpu"
     n = 1 << (len(devs).bit_length() - 1)
     mesh = jax.sharding.Mesh(np.array(devs[:n]), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
-    tokens = args.tokens or ("64K" if on_gpu else "4K")
+    tokens = args.tokens or (64 * 1024 if on_gpu else 4 * 1024)
     dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
     lengths = [int(x) for x in sample_batch(args.dataset, tokens, args.seed)]
     T = sum(lengths)
@@ -64,6 +94,7 @@ def main(argv=None) -> int:
     tile = 128 if on_gpu else 64
     print(f"liquidcp_jax {lcp.__version__} demo: {n} x {devs[0].platform} devices, {args.dataset} batch of "
           f"{len(lengths)} sequences / {T} tokens (longest {max(lengths)}), Hq={hq} Hkv={hkv} D={d} {dtype.name}")
+    print(f"  compilation cache: {cache or 'off'}")
 
     t0 = time.perf_counter()
     plan = lcp.plan_megaring(lengths, mesh, placement=args.placement, tile_size=tile)

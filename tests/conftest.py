@@ -5,6 +5,9 @@ import zlib
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI and the examples turn JAX's persistent compilation cache on; tests leave the user's
+# cache alone unless they ask for one (LIQUIDCP_CACHE_DIR=<dir> in a test's environment).
+os.environ.setdefault("LIQUIDCP_CACHE_DIR", "off")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -16,11 +16,11 @@ def dcp_mesh(P, name="dcp"):
     return jax.make_mesh((P,), (name,), devices=jax.devices()[:P])
 
 
-def make_inputs(rng, hist, ql, Hq, D, dtype):
+def make_inputs(rng, hist, ql, Hq, D, dtype, Hkv=1):
     """Fresh random inputs (rounded to ``dtype``) and their float64 reference output."""
     Tq, Th = sum(ql), sum(hist)
     arrs = [rng.standard_normal(s).astype(np.float32) for s in
-            ((Tq, Hq, D), (Tq, 1, D), (Tq, 1, D), (Th, 1, D), (Th, 1, D))]
+            ((Tq, Hq, D), (Tq, Hkv, D), (Tq, Hkv, D), (Th, Hkv, D), (Th, Hkv, D))]
     arrs = [jnp.asarray(a, dtype) for a in arrs]
     ref, _ = decode_reference(*(np.asarray(a.astype(jnp.float32)) for a in arrs), hist, ql)
     return arrs, ref
@@ -170,7 +170,7 @@ def test_bad_input(rng):
         lcp.megadcp_attention(q[:, :2], kn, vn, kh, vh, plan)
     with pytest.raises(ValueError, match=r"q has 31 tokens; expected sum\(query_lengths\)=32"):
         lcp.megadcp_attention(q[:31], kn[:31], vn[:31], kh, vh, plan)
-    with pytest.raises(ValueError, match="one KV head per DCP group"):
+    with pytest.raises(ValueError, match=r"k_new must have shape \[Tq=32, Hkv=1, D=8\] \(the plan's num_kv_heads=1\)"):
         lcp.megadcp_attention(q, jnp.concatenate([kn, kn], 1), vn, kh, vh, plan)
     with pytest.raises(ValueError, match="share one dtype"):
         lcp.megadcp_attention(q, kn, vn, kh.astype(jnp.bfloat16), vh.astype(jnp.bfloat16), plan)
@@ -184,3 +184,37 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="history_layout"):
         lcp.megadcp_attention(q, kn, vn, kh, vh, amb)
     check(lcp.megadcp_attention(q, kn, vn, kh, vh, amb, history_layout="packed"), ref, jnp.float32)
+
+
+@pytest.mark.parametrize("P,Hkv,dtype", [(2, 3, jnp.float32), (4, 2, jnp.bfloat16)])
+def test_several_kv_heads(P, Hkv, dtype, rng):
+    """GQA: Hkv KV heads, Hq / Hkv query heads each, the KV-head loop inside the op; the
+    baselines take the same plans."""
+    from liquidcp_jax.baselines import dcp as B
+    hist, ql = [0, 37, 290, 5], [16, 16, 40, 16]
+    Hq, D = 2 * P * Hkv, 16
+    mesh = dcp_mesh(P)
+    plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, tile=16,
+                            splits=[1, 1, 3, 1])
+    assert f"Hkv={Hkv}" in repr(plan)
+    (q, kn, vn, kh, vh), ref = make_inputs(rng, hist, ql, Hq, D, dtype, Hkv=Hkv)
+    kh_s, vh_s = plan.shard_history(kh), plan.shard_history(vh)
+    assert kh_s.shape == (plan.history_capacity, Hkv, D)
+    out = lcp.megadcp_attention(q, kn, vn, kh_s, vh_s, plan, history_layout="sharded")
+    assert out.dtype == dtype
+    check(out, ref, dtype)
+    check(lcp.megadcp_attention(q, kn, vn, kh, vh, plan, history_layout="packed"), ref, dtype)
+    if dtype == jnp.float32:
+        base = B.plan_dcp_baseline(hist, ql, mesh, num_q_heads=Hq, num_kv_heads=Hkv, tile=16)
+        check(B.vllm_a2a_attention(q, kn, vn, kh, vh, base, history_layout="packed"), ref, dtype)
+    with pytest.raises(ValueError, match=rf"k_hist must have shape \[N, Hkv={Hkv}, D=16\]"):
+        lcp.megadcp_attention(q, kn, vn, kh_s[:, :1], vh_s[:, :1], plan)
+    with pytest.raises(ValueError, match=rf"num_q_heads={Hq + 1} must be a positive multiple"):
+        lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq + 1, num_kv_heads=Hkv)
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+        lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq, num_kv_heads=0)
+    # the GPU engine runs one KV head: "auto" takes the XLA executor, "pallas" says why not
+    with pytest.raises(ValueError, match=rf"one KV head per DCP group; the plan has num_kv_heads={Hkv}"):
+        lcp.megadcp_attention(q, kn, vn, kh_s, vh_s, plan, history_layout="sharded", backend="pallas")
+    with pytest.raises(ValueError, match="engine=True: the GPU engine runs one KV head"):
+        lcp.plan_megadcp(hist, ql, mesh, num_q_heads=Hq, num_kv_heads=Hkv, tile=16, engine=True)

@@ -51,17 +51,19 @@ def fa3_plan_splits(history_lengths: Sequence[int], query_lengths: Sequence[int]
 
 def plan_dcp_baseline(history_lengths: Sequence[int], query_lengths: Sequence[int], mesh,
                       axis_name: str = "dcp", *, num_q_heads: int, head_dim: int | None = None,
-                      tile: int = 128, rows_per_tile: int = 128, params: "cw.Params | None" = None,
+                      num_kv_heads: int = 1, tile: int = 128, rows_per_tile: int = 128, params: "cw.Params | None" = None,
                       min_capacity: int = 8, capacities: dict | None = None) -> MegaDcpPlan:
     """A :class:`MegaDcpPlan` whose history tasks follow the FA3-derived split plan.
 
     Arguments as :func:`liquidcp_jax.plan_megadcp` (``params.num_ctas`` is the SM count FA3 sees).
     """
-    Pn, hist, qlen = validate_batch(history_lengths, query_lengths, mesh, axis_name, num_q_heads)
-    splits = fa3_plan_splits(hist, qlen, Pn, int(num_q_heads), tile=tile, rows_per_tile=rows_per_tile,
-                             params=params)
+    Pn, hist, qlen = validate_batch(history_lengths, query_lengths, mesh, axis_name, num_q_heads,
+                                    num_kv_heads)
+    # FA3 sees one KV head's group of query heads (the executor runs each KV head alike).
+    splits = fa3_plan_splits(hist, qlen, Pn, int(num_q_heads) // int(num_kv_heads), tile=tile,
+                             rows_per_tile=rows_per_tile, params=params)
     return plan_megadcp(hist, qlen, mesh, axis_name, num_q_heads=num_q_heads, head_dim=head_dim,
-                        tile=tile, rows_per_tile=rows_per_tile, params=params, splits=splits,
+                        num_kv_heads=num_kv_heads, tile=tile, rows_per_tile=rows_per_tile, params=params, splits=splits,
                         min_capacity=min_capacity, capacities=capacities, _split_source="fa3")
 
 

@@ -1,12 +1,14 @@
 """MegaDCP plans (host side): one decode step's critical-wave split plan, descriptor tables and
 executor tables for a DCP group (paper §5).
 
-A DCP group of ``P`` ranks (the mesh axis ``axis_name``) shares one KV head. Each rank owns
-``hq = Hq / P`` query heads (rank ``r``: heads ``[r * hq, (r + 1) * hq)``) and an interleaved
-shard of every request's history KV: history token ``t`` lives on rank ``t % P`` (vLLM DCP with
-interleave size 1, SGLang). On a rank, the local tokens of request ``0, 1, ...`` are stored back
-to back, padded to one capacity ``L_cap`` per rank, so the laid-out cache is a global
-``[P * L_cap, 1, D]`` array sharded over the axis.
+A DCP group of ``P`` ranks (the mesh axis ``axis_name``) shares each KV head's history: with
+``Hkv`` KV heads and ``G = Hq / Hkv`` query heads per KV head (GQA, head ``h`` reads KV head
+``h // G``), each rank owns ``hq = G / P`` query heads of every KV head (rank ``r``: heads
+``j * G + [r * hq, (r + 1) * hq)``) and an interleaved shard of every request's history KV:
+history token ``t`` lives on rank ``t % P`` (vLLM DCP with interleave size 1, SGLang). On a
+rank, the local tokens of request ``0, 1, ...`` are stored back to back, padded to one capacity
+``L_cap`` per rank, so the laid-out cache is a global ``[P * L_cap, Hkv, D]`` array sharded over
+the axis. The split plan and tables describe one KV head; every KV head runs them.
 
 The plan is a frozen dataclass pytree of fixed-capacity int32 tables whose static part
 (:class:`DcpStatic`) is its compile key: pass it as a jit argument, and batches in one capacity
@@ -40,13 +42,15 @@ class DcpStatic:
     Fields:
       shape: the executor's capacities (:class:`~liquidcp_jax.megadcp.exec_tables.DcpShape`).
       mesh: the device mesh (its ``shape.axis_name`` axis is the DCP group).
-      num_q_heads: ``Hq``; head_dim: ``D`` or ``None`` (the facts the op checks its inputs against).
+      num_q_heads: ``Hq``; head_dim: ``D`` or ``None``; num_kv_heads: ``Hkv`` (the facts the op
+        checks its inputs against).
     """
 
     shape: DcpShape
     mesh: Mesh
     num_q_heads: int
     head_dim: int | None
+    num_kv_heads: int = 1
 
     def exec_spec(self, scale: float) -> xla_dcp.DcpSpec:
         return xla_dcp.DcpSpec.from_shape(self.shape, scale)
@@ -95,7 +99,7 @@ class MegaDcpPlan:
 
     @property
     def history_sharding(self) -> NamedSharding:
-        """Sharding of laid-out history ``[P * L_cap, 1, D]``."""
+        """Sharding of laid-out history ``[P * L_cap, Hkv, D]``."""
         return NamedSharding(self.static.mesh, P(self.static.shape.axis_name))
 
     @property
@@ -122,11 +126,11 @@ class MegaDcpPlan:
         return None if self.host is None else dict(self.host.capacity)
 
     def shard_history(self, x) -> jax.Array:
-        """Packed ``[sum(history_lengths), 1, D]`` -> interleaved shards ``[P * L_cap, 1, D]``
+        """Packed ``[sum(history_lengths), Hkv, D]`` -> interleaved shards ``[P * L_cap, Hkv, D]``
         sharded over the DCP axis (padding rows 0)."""
-        n = self.num_history_tokens
-        if getattr(x, "ndim", 0) != 3 or (n is not None and x.shape[0] != n):
-            raise ValueError(f"x must have shape [sum(history_lengths)={n}, 1, D]; got "
+        n, hkv = self.num_history_tokens, self.static.num_kv_heads
+        if getattr(x, "ndim", 0) != 3 or (n is not None and x.shape[0] != n) or x.shape[1] != hkv:
+            raise ValueError(f"x must have shape [sum(history_lengths)={n}, Hkv={hkv}, D]; got "
                              f"{getattr(x, 'shape', None)}")
         x = jnp.asarray(x)
         if x.shape[0] == 0:   # no history at all: every slot is padding
@@ -137,7 +141,8 @@ class MegaDcpPlan:
 
     def __repr__(self):
         s = self.static.shape
-        return (f"MegaDcpPlan(P={s.dcp}, Hq={self.static.num_q_heads}, hq={s.hq}, tile={s.tile}, "
+        return (f"MegaDcpPlan(P={s.dcp}, Hq={self.static.num_q_heads}, "
+                f"Hkv={self.static.num_kv_heads}, hq={s.hq}, tile={s.tile}, "
                 f"Tq_cap={s.tq_cap}, L_cap={s.hist_cap}, splits={self.splits})")
 
 
@@ -148,18 +153,24 @@ def _pair_block(n_pairs: int, rows: int, tile: int, head_dim: int, budget: int) 
     return min(n_pairs, 1 << (b.bit_length() - 1))
 
 
-def validate_batch(history_lengths, query_lengths, mesh: Mesh, axis_name: str, num_q_heads: int):
-    """Checks a DCP batch and its mesh; returns ``(P, history (S,) int64, query (S,) int64)``."""
+def validate_batch(history_lengths, query_lengths, mesh: Mesh, axis_name: str, num_q_heads: int,
+                   num_kv_heads: int = 1):
+    """Checks a DCP batch, its mesh and heads; returns ``(P, history (S,) int64, query (S,) int64)``."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
     if axis_name not in mesh.shape:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; expected one of "
                          f"{tuple(mesh.shape)}")
     Pn = int(mesh.shape[axis_name])
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer)) \
+            or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int; got {num_kv_heads!r}")
     if isinstance(num_q_heads, bool) or int(num_q_heads) != num_q_heads or num_q_heads < 1 \
-            or num_q_heads % Pn:
+            or num_q_heads % (Pn * num_kv_heads):
+        per = "" if num_kv_heads == 1 else f" x num_kv_heads={num_kv_heads}"
         raise ValueError(f"num_q_heads={num_q_heads!r} must be a positive multiple of the DCP degree "
-                         f"P={Pn} (mesh axis {axis_name!r}): each rank owns Hq / P query heads")
+                         f"P={Pn} (mesh axis {axis_name!r}){per}: each rank owns Hq / (Hkv * P) "
+                         f"query heads of every KV head")
     hist = np.asarray(cw._int_vector(history_lengths, "history_lengths", lo=0), np.int64)
     if len(query_lengths) != hist.size:
         raise ValueError(f"query_lengths has {len(query_lengths)} entries; expected {hist.size} "
@@ -170,6 +181,7 @@ def validate_batch(history_lengths, query_lengths, mesh: Mesh, axis_name: str, n
 
 def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], mesh: Mesh,
                  axis_name: str = "dcp", *, num_q_heads: int, head_dim: int | None = None,
+                 num_kv_heads: int = 1,
                  tile: int = 128, rows_per_tile: int = 128, params: "cw.Params | None" = None,
                  splits: Sequence[int] | None = None, num_comm_ctas: int = 16, min_capacity: int = 8,
                  capacities: dict[str, Any] | None = None,
@@ -182,8 +194,10 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       query_lengths: ``(S,)`` appended (query) tokens per request (>= 1; 16 for a decode request
         with 15 drafts, up to a few thousand for a prefill chunk).
       mesh: the device mesh; ``axis_name`` is its DCP axis (size ``P``).
-      num_q_heads: ``Hq``, query heads of the group (a multiple of ``P``); head_dim: optional ``D``
-        checked by the op.
+      num_q_heads: ``Hq``, query heads (a multiple of ``P * num_kv_heads``); head_dim: optional
+        ``D`` checked by the op.
+      num_kv_heads: ``Hkv`` KV heads (GQA: ``Hq / Hkv`` query heads per KV head). The split plan
+        is made for one KV head's work; the executor runs every KV head with it.
       tile: KV tokens per tile; rows_per_tile: query rows (token-head pairs) per attention tile.
       params: critical-wave parameters of the split planner (default ``Params.h100()``).
       splits: ``(S,)`` fixed KV split counts (skips the planner; each ``<= max(1, rank-0 tiles)``).
@@ -191,18 +205,19 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       min_capacity: smallest table capacity; capacities: per-table floors (``plan.capacity``).
       memory_budget: bytes of attention temporaries the XLA executor may hold for one block of
         (task, KV tile) pairs; blocks run in a scan, so memory stays bounded for any batch.
-      engine: also pack the GPU engine's per-rank tables (``backend="pallas"``); default: when
-        the first JAX device is a Hopper GPU. engine_config: its
+      engine: also pack the GPU engine's per-rank tables (``backend="pallas"``; one KV head);
+        default: when the first JAX device is a Hopper GPU and ``num_kv_heads == 1``. engine_config: its
         ``pallas.megadcp_engine.EngineConfig`` (grid size, fused or staged).
     Returns:
       :class:`MegaDcpPlan`.
     """
-    Pn, hist, qlen = validate_batch(history_lengths, query_lengths, mesh, axis_name, num_q_heads)
+    Pn, hist, qlen = validate_batch(history_lengths, query_lengths, mesh, axis_name, num_q_heads,
+                                    num_kv_heads)
     if head_dim is not None and (int(head_dim) != head_dim or head_dim < 1):
         raise ValueError(f"head_dim must be None or an int >= 1; got {head_dim!r}")
     if int(memory_budget) < 1:
         raise ValueError(f"memory_budget must be a positive number of bytes; got {memory_budget!r}")
-    hq = int(num_q_heads) // Pn
+    hq = int(num_q_heads) // int(num_kv_heads) // Pn
     caps = dict(capacities or {})
     t = build_descriptor_tables(hist, qlen, Pn, hq, params=params, tile=tile,
                                 rows_per_tile=rows_per_tile, splits=splits,
@@ -220,11 +235,14 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     h_block = _pair_block(pair_caps["history_pairs"], t.q_tile_tokens * Pn * hq, tile, dmax, memory_budget)
     shape = DcpShape(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
                      hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block)
-    static = DcpStatic(shape, mesh, int(num_q_heads), None if head_dim is None else int(head_dim))
+    static = DcpStatic(shape, mesh, int(num_q_heads), None if head_dim is None else int(head_dim),
+                       int(num_kv_heads))
     capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
                 "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
     from liquidcp_jax.pallas import megadcp_engine_op as engine_op
     fits = engine_op.fits_plan(hist_cap, engine_config)
+    if fits is None and num_kv_heads != 1:
+        fits = f"the GPU engine runs one KV head per DCP group; num_kv_heads={num_kv_heads}"
     if engine is None:   # pack when only the tables are missing, i.e. on a Hopper GPU
         engine = (engine_op.unsupported_reason(jnp.bfloat16, 128, None) == engine_op.NO_TABLES
                   and fits is None)

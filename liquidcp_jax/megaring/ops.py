@@ -19,15 +19,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from liquidcp_jax.backends import Backend, Registry
 from liquidcp_jax.executors import segment_ring as ring_exec
 from liquidcp_jax.executors import xla as xla_exec
-from liquidcp_jax.megaring.plan import MegaRingPlan, PlanStatic
+from liquidcp_jax.megaring.plan import MegaRingPlan, PlanStatic, check_heads
 from liquidcp_jax.util import constrain as _constrain
 from liquidcp_jax.validation import check_qkv
 
 
-def _local(fn, static: PlanStatic, n_in: int, n_out: int):
-    ax = static.axis_name
-    return jax.shard_map(fn, mesh=static.mesh, in_specs=(P(ax),) * n_in, out_specs=(P(ax),) * n_out,
-                         check_vma=False)
+def _local(fn, static: PlanStatic, n_data: int, n_tables: int, n_out: int):
+    """``fn`` per device: ``n_data`` head arrays (tokens over the CP axis, heads over the plan's
+    head axis, if any), then ``n_tables`` tables (``[N, ...]``, replicated over the head axis)."""
+    data, tab = static.head_spec, P(static.axis_name)
+    return jax.shard_map(fn, mesh=static.mesh, in_specs=(data,) * n_data + (tab,) * n_tables,
+                         out_specs=(data,) * n_out, check_vma=False)
 
 
 def _forward(q, k, v, tables, static: PlanStatic, scale: float):
@@ -36,7 +38,7 @@ def _forward(q, k, v, tables, static: PlanStatic, scale: float):
     def f(q, k, v, *tb):
         return xla_exec.forward(q, k, v, [x[0] for x in tb], spec)
 
-    return _local(f, static, 3 + len(tables), 2)(q, k, v, *tables)
+    return _local(f, static, 3, len(tables), 2)(q, k, v, *tables)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -57,7 +59,7 @@ def _megaring_xla_bwd(static, scale, res, cts):
     def f(q, k, v, out, lse, dout, dlse, *tb):
         return xla_exec.backward(q, k, v, out, lse, dout, dlse, [x[0] for x in tb], spec)
 
-    dq, dk, dv = _local(f, static, 7 + len(tables), 3)(q, k, v, out, lse, dout, dlse, *tables)
+    dq, dk, dv = _local(f, static, 7, len(tables), 3)(q, k, v, out, lse, dout, dlse, *tables)
     return dq, dk, dv, jax.tree.map(lambda _: None, tables)
 
 
@@ -70,7 +72,7 @@ def _ring_forward(q, k, v, ring, static: PlanStatic, spec: ring_exec.RingSpec):
     def f(q, k, v, *rs):
         return ring_exec.forward(q, k, v, [x[0] for x in rs], spec)
 
-    return _local(f, static, 3 + len(ring), 2)(q, k, v, *ring)
+    return _local(f, static, 3, len(ring), 2)(q, k, v, *ring)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -89,7 +91,7 @@ def _megaring_ring_bwd(static, spec, res, dout):
     def f(q, k, v, out, lse, do, *rs):
         return ring_exec.backward(q, k, v, out, lse, do, [x[0] for x in rs], spec)
 
-    dq, dk, dv = _local(f, static, 6 + len(ring), 3)(q, k, v, out, lse, dout, *ring)
+    dq, dk, dv = _local(f, static, 6, len(ring), 3)(q, k, v, out, lse, dout, *ring)
     return dq, dk, dv, jax.tree.map(lambda _: None, ring)
 
 
@@ -120,15 +122,20 @@ def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute
                               bwd_config)
     sh = plan.sharding
     ring = tuple(_constrain(jnp.asarray(x), sh) for x in plan.ring_segments)
-    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    q, k, v = (_constrain(x, plan.head_sharding) for x in (q, k, v))
     return _megaring_ring_jit(q, k, v, ring, plan.static, spec)
 
 
-def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool) -> int:
-    """Validates a call's ``q, k, v`` against ``plan`` and ``causal``; returns the head dim."""
+def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool | None) -> int:
+    """Validates a call's ``q, k, v`` against ``plan`` and ``causal`` (``None``: the plan's);
+    returns the head dim."""
     if not isinstance(plan, MegaRingPlan):
         raise ValueError(f"plan must be a MegaRingPlan from lcp.plan_megaring; got {type(plan).__name__}")
+    if causal is None:
+        causal = plan.static.causal
     T, hq, hkv, d = check_qkv(q, k, v)
+    check_heads(hq, plan.static, "q")
+    check_heads(hkv, plan.static, "k")
     if T != plan.cp_tokens:
         raise ValueError(f"q has {T} tokens; expected {plan.cp_tokens} (the plan's CP layout: "
                          f"{plan.static.num_devices} devices x {plan.static.local_capacity}); shard inputs "
@@ -147,7 +154,7 @@ def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool) -> int:
     return d
 
 
-def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = True,
+def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool | None = None,
                                 scale: float | None = None, backend: str = "auto"):
     """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]``
     f32. Only the XLA executor propagates LSE cotangents, so ``"auto"`` means ``"xla"`` here."""
@@ -155,15 +162,17 @@ def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool = T
     return BACKENDS.select(backend, call, auto=("xla",))[0].run(call)
 
 
-def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool = True, scale: float | None = None,
+def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool | None = None, scale: float | None = None,
                        backend: str = "auto"):
     """Context-parallel attention over a planned packed batch (differentiable).
 
     Args:
-      q: ``[N * capacity, Hq, D]`` in the plan's CP layout (``plan.shard``).
+      q: ``[N * capacity, Hq, D]`` in the plan's CP layout (``plan.shard``; on a mesh with a
+        head axis, e.g. ``("cp", "tp")``, heads split over it: each device runs its own heads).
       k, v: ``[N * capacity, Hkv, D]``, ``Hq % Hkv == 0`` (GQA).
       plan: from :func:`plan_megaring` (pass it through ``jit`` as an argument).
-      causal: must match the plan.
+      causal: default the plan's (``plan_megaring(..., causal=...)`` decides the mask); an
+        explicit value must match it.
       scale: softmax scale, default ``1/sqrt(D)``.
       backend: ``"auto"``, a name of :data:`BACKENDS` or ``"pallas"``. ``"xla"``: the portable
         executor. ``"pallas"``: the Mosaic GPU kernels (Hopper): ``"pallas_one_step"`` (one call
@@ -190,7 +199,7 @@ def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: boo
     static = plan.static
     sh = plan.sharding
     segs = tuple(_constrain(jnp.asarray(x), sh) for x in plan.local_segments)
-    q, k, v = (_constrain(x, sh) for x in (q, k, v))
+    q, k, v = (_constrain(x, plan.head_sharding) for x in (q, k, v))
     config, bwd_config = one_step_configs(plan)
 
     def f(q, k, v, start, length, count):
@@ -199,7 +208,7 @@ def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: boo
                                              config=config, bwd_config=bwd_config)
         return (out,)
 
-    return _local(f, static, 6, 1)(q, k, v, *segs)[0]
+    return _local(f, static, 3, 3, 1)(q, k, v, *segs)[0]
 
 
 def one_step_configs(plan: MegaRingPlan):
@@ -236,7 +245,7 @@ def _run_xla(call: MegaRingCall):
     plan = call.plan
     sh = plan.sharding
     tables = tuple(_constrain(jnp.asarray(x), sh) for x in plan.tables)
-    q, k, v = (_constrain(x, sh) for x in (call.q, call.k, call.v))
+    q, k, v = (_constrain(x, plan.head_sharding) for x in (call.q, call.k, call.v))
     out, lse = _megaring_xla_jit(q, k, v, tables, plan.static, call.scale)
     return (out, lse) if call.with_lse else out
 

@@ -44,6 +44,13 @@ class PlanStatic:
     num_tokens: int
     all_local: bool = False   # every group has size 1: no KV exchange (the Pallas one-step path)
     memory_budget: int = xla_exec.DEFAULT_MEMORY_BUDGET   # bytes per chunk of XLA-executor tasks
+    head_axis: str | None = None   # mesh axis the heads of [N * capacity, H, D] arrays split over
+
+    @property
+    def head_spec(self) -> P:
+        """Spec of CP-layout head arrays ``[N * capacity, H, ...]``: tokens over the CP axis, heads
+        over ``head_axis`` (when the plan has one)."""
+        return P(self.axis_name, self.head_axis) if self.head_axis else P(self.axis_name)
 
     @property
     def local_capacity(self) -> int:
@@ -96,8 +103,15 @@ class MegaRingPlan:
 
     @property
     def sharding(self) -> NamedSharding:
-        """Sharding of CP-layout arrays ``[N * capacity, H, D]``."""
+        """Sharding of CP-layout arrays ``[N * capacity, ...]`` (tokens over the CP axis) and of the
+        tables (``[N, ...]``)."""
         return NamedSharding(self.static.mesh, P(self.static.axis_name))
+
+    @property
+    def head_sharding(self) -> NamedSharding:
+        """Sharding of CP-layout head arrays ``[N * capacity, H, D]``: also heads over the plan's
+        ``head_axis`` (tensor parallelism beside CP), when it has one."""
+        return NamedSharding(self.static.mesh, self.static.head_spec)
 
     @property
     def cp_tokens(self) -> int:
@@ -105,15 +119,21 @@ class MegaRingPlan:
 
     def shard(self, x: jax.Array) -> jax.Array:
         """Packed ``[T, ...]`` (e.g. ``[T, H, D]``) -> CP layout ``[N * capacity, ...]`` sharded over the CP
-        axis; padding slots are 0."""
+        axis (3-D ``[T, H, D]`` arrays: heads also over the plan's ``head_axis``); padding slots are 0."""
         if getattr(x, "ndim", 0) < 1 or x.shape[0] != self.static.num_tokens:
             raise ValueError(f"x must have shape [T={self.static.num_tokens}, ...] (the plan's lengths sum "
                              f"to {self.static.num_tokens}); got {getattr(x, 'shape', None)}")
         xp = jnp.concatenate([jnp.asarray(x), jnp.zeros((1,) + x.shape[1:], x.dtype)])
-        return _constrain(xp[jnp.asarray(self.shard_src)], self.sharding)
+        y = _constrain(xp[jnp.asarray(self.shard_src)], self.sharding)
+        if x.ndim == 3 and self.static.head_axis:
+            check_heads(x.shape[1], self.static, "x")
+            # Split heads after the token gather (a local slice), so the gather's transpose (a
+            # scatter) sees whole heads, as without a head axis.
+            y = _constrain(y, self.head_sharding)
+        return y
 
     def unshard(self, y: jax.Array) -> jax.Array:
-        """CP layout ``[N * capacity, ...]`` -> packed ``[T, ...]``."""
+        """CP layout ``[N * capacity, ...]`` -> packed ``[T, ...]`` (replicated)."""
         if getattr(y, "ndim", 0) < 1 or y.shape[0] != self.cp_tokens:
             raise ValueError(f"y must have shape [{self.cp_tokens}, ...] (the plan's CP layout); "
                              f"got {getattr(y, 'shape', None)}")
@@ -159,9 +179,21 @@ class MegaRingPlan:
 
     def __repr__(self):
         s = self.static
+        heads = f", heads over {s.head_axis!r}" if s.head_axis else ""
         return (f"MegaRingPlan(devices={s.num_devices}, tokens={s.num_tokens}, capacity={s.local_capacity}/device, "
                 f"sections={dict(zip(s.section_sizes, s.section_tiles))} tiles, tile={s.tile_size}, "
-                f"causal={s.causal})")
+                f"causal={s.causal}{heads})")
+
+
+def check_heads(num_heads: int, static: PlanStatic, name: str = "q") -> None:
+    """ValueError unless ``num_heads`` splits evenly over the plan's head axis."""
+    if static.head_axis is None:
+        return
+    tp = int(static.mesh.shape[static.head_axis])
+    if num_heads % tp:
+        raise ValueError(f"{name} has {num_heads} heads, not a multiple of the {static.head_axis!r} "
+                         f"axis size {tp} the plan splits heads over (query and KV heads both must "
+                         f"be; plan_megaring(..., head_axis=None) keeps heads whole)")
 
 
 def _resolve_placement(placement, lengths, num_devices) -> placement_lib.Placement:
@@ -180,6 +212,7 @@ def _resolve_placement(placement, lengths, num_devices) -> placement_lib.Placeme
 
 
 def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "buddyring", *,
+                  head_axis: str | None = "auto",
                   causal: bool = True, tile_size: int = 128, task_tiles: int = 8,
                   capacity: dict[str, Any] | None = None,
                   memory_budget: int = xla_exec.DEFAULT_MEMORY_BUDGET) -> MegaRingPlan:
@@ -189,6 +222,10 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
       lengths: ``(S,)`` sequence lengths of the packed batch (any positive ints).
       mesh: the device mesh; ``axis_name`` is its CP axis (size ``N``, a power of two).
       placement: ``"buddyring"``, ``"all_cp"`` or a ``placement_lib.Placement``.
+      head_axis: a second mesh axis the heads split over (tensor parallelism beside CP):
+        ``plan.shard`` places ``[T, H, D]`` as ``P(axis_name, head_axis)`` and each device attends
+        its ``Hq / tp`` query and ``Hkv / tp`` KV heads (both must divide). ``"auto"``: the mesh's
+        ``"tp"`` axis if it has one, else none; ``None``: heads whole on every device.
       causal: the attention mask the tables are built for.
       tile_size: ``B``, tokens per tile (zigzag chunks are whole tiles).
       task_tiles: ``M``, the most KV tiles one forward task coalesces (the
@@ -207,6 +244,11 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
     if axis_name not in mesh.shape:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; expected one of "
                          f"{tuple(mesh.shape)}")
+    if head_axis == "auto":
+        head_axis = "tp" if "tp" in mesh.shape and axis_name != "tp" else None
+    if head_axis is not None and (head_axis not in mesh.shape or head_axis == axis_name):
+        raise ValueError(f"head_axis={head_axis!r} must be None, \"auto\" or an axis of the mesh "
+                         f"other than axis_name={axis_name!r}; the mesh has {tuple(mesh.shape)}")
     lengths = validate_lengths(lengths)
     N = int(mesh.shape[axis_name])
     if tile_size < 1 or tile_size % 8:
@@ -223,7 +265,8 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
                                                            min_caps=capacity)
     all_local = bool(np.all(pl.sizes == 1))
     static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
-                        int(task_tiles), bool(causal), int(sum(lengths)), all_local, int(memory_budget))
+                        int(task_tiles), bool(causal), int(sum(lengths)), all_local, int(memory_budget),
+                        head_axis)
     ring = build_ring_segments(layout, pl.starts, pl.sizes, lengths, causal=causal,
                                min_capacity=int(capacity.get("segments", 1)))
     local = build_local_segments(layout, pl.starts, pl.sizes, lengths,

@@ -99,6 +99,16 @@ def parse_tokens(tokens, *, name: str = "tokens") -> int:
     return value
 
 
+def format_tokens(n: int) -> str:
+    """Token count for people, the inverse of :func:`parse_tokens`: ``65536`` -> ``"64K"``,
+    ``2**20`` -> ``"1M"``, ``100`` -> ``"100"``, ``1500`` -> ``"1500"`` (no rounding)."""
+    n = int(n)
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def get_distribution(dataset: str) -> LengthDistribution:
     """The :class:`LengthDistribution` of ``dataset`` (case-insensitive; ``"pile-cc"`` works)."""
     key = str(dataset).lower().replace("-", "").replace("_", "")
