@@ -10,7 +10,7 @@ _DIR = "liquidcp_jax/megadcp/"
 setup(ext_modules=[Extension(
     "liquidcp_jax.megadcp._cw_native",
     sources=[_DIR + f for f in ("_cw_native.c", "_cw_sim.c", "_cw_search.c", "_cw_step.c",
-                                "_dcp_pack.c")],
+                                "_dcp_pack.c", "_engine_sched.c")],
     depends=[_DIR + "_cw_core.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,

@@ -293,6 +293,8 @@ def main(argv=None) -> int:
                     help="Mooncake snapshots per (scale, kind)")
     ap.add_argument("--pack-only", action="store_true",
                     help="host only: time planning and engine-table packing on the snapshots")
+    ap.add_argument("--pack-repeats", type=int, default=5,
+                    help="--pack-only: runs per step (its best is the step's time)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke test: one tiny case, 4 CTAs, the Mosaic GPU interpreter")
     a = ap.parse_args(argv)
@@ -317,7 +319,8 @@ def main(argv=None) -> int:
 
 
 def pack_timing(a, argv):
-    """Host time of planning (``build_tables``) and packing (``pack_engine``, rank 0) per step."""
+    """Host time of planning (``build_tables``) and packing (``pack_engine``, rank 0) per step:
+    each step's best of ``--pack-repeats`` runs (this host is shared), percentiles over steps."""
     report = H.Report("benchmarks.megadcp_engine --pack-only", a.out, argv, devices=False,
                       loadavg_start=os.getloadavg()[0])
     snaps = mooncake_cases(a.mooncake)
@@ -327,17 +330,21 @@ def pack_timing(a, argv):
             for _, h, q, k in snaps:
                 if k != kind:
                     continue
-                t0 = time.perf_counter()
-                t = build_tables(h, q, P, MOONCAKE_HQ)
-                t1 = time.perf_counter()
-                et.pack_engine(t, 0, num_ctas=132)
-                tp.append(t1 - t0)
-                tk.append(time.perf_counter() - t1)
+                best = [math.inf, math.inf]
+                for _ in range(a.pack_repeats):   # best of n: a step's cost without preemption
+                    t0 = time.perf_counter()
+                    t = build_tables(h, q, P, MOONCAKE_HQ)
+                    t1 = time.perf_counter()
+                    et.pack_engine(t, 0, num_ctas=132)
+                    best = [min(best[0], t1 - t0), min(best[1], time.perf_counter() - t1)]
+                tp.append(best[0])
+                tk.append(best[1])
             report.add({"case": f"{kind} P={P}", "P": P, "kind": kind, "steps": len(tp),
                         "plan_ms_p50": 1e3 * float(np.percentile(tp, 50)),
                         "plan_ms_p95": 1e3 * float(np.percentile(tp, 95)),
                         "pack_ms_p50": 1e3 * float(np.percentile(tk, 50)),
-                        "pack_ms_p95": 1e3 * float(np.percentile(tk, 95))})
+                        "pack_ms_p95": 1e3 * float(np.percentile(tk, 95)),
+                        "total_ms_p95": 1e3 * float(np.percentile(np.add(tp, tk), 95))})
     report.update(loadavg_end=os.getloadavg()[0])
     return 0
 

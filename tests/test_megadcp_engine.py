@@ -8,6 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from liquidcp_jax.megadcp import critical_wave as cw
 from liquidcp_jax.pallas import megadcp_engine as eng
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 
@@ -82,6 +83,35 @@ def test_capacities_pin_one_shape():
         assert [x.shape for x in p.tables] == [(64, len(et.ATTN_FIELDS)), (32, len(et.RED_FIELDS)),
                                                (64,), (2, 9), (1,), (1,)]
     assert len(shapes) == 1
+
+
+@pytest.mark.skipif(not cw.native_available(), reason="the compiled planner extension is not built")
+def test_native_greedy_matches_the_python_specification(monkeypatch):
+    """The compiled list scheduler assigns and times every task exactly as the Python heap loop
+    (ties on load go to the lowest CTA index; integer costs make ties common)."""
+    rng = np.random.default_rng(3)
+    for n, G, with_ready in ((0, 4, False), (1, 1, True), (500, 7, False), (2000, 132, True)):
+        cost = rng.integers(1, 6, n).astype(np.float64)
+        ready = np.sort(rng.integers(0, 40, n)).astype(np.float64) if with_ready else None
+        l0 = rng.integers(0, 3, G).astype(np.float64)
+        la, lb = l0.copy(), l0.copy()
+        a = et.greedy(cost, la, ready, native=True)
+        b = et.greedy(cost, lb, ready, native=False)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+        np.testing.assert_array_equal(la, lb)
+    for case in PROTOCOL_CASES:   # whole plans: identical tables
+        hist, q, P, hq, rank, splits = case
+        t = build_tables(hist, q, P, hq, splits=splits)
+        got = et.pack_engine(t, rank, num_ctas=5)
+        with monkeypatch.context() as m:
+            m.setattr(et, "greedy", lambda *x, greedy=et.greedy: greedy(*x, native=False))
+            ref = et.pack_engine(t, rank, num_ctas=5)
+        for x, y in zip(got.tables, ref.tables):
+            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(got.est_busy, ref.est_busy)
+    with pytest.raises(ValueError, match="cost, ready"):
+        et.greedy(np.ones(3), np.zeros(2), np.ones(4), native=True)
 
 
 def test_pack_validation():

@@ -8,6 +8,7 @@
  *        K, rho, da, dr, gm, wpc, hq, M, P, fixed_run, merge_run, min_gain, fixed_splits,
  *        prune) -> tuple (see py_plan)
  *   pack(...) -> num_epochs (_dcp_pack.c)
+ *   greedy(cost, ready, loads, assign, finish) -> None (_engine_sched.c)
  *   fa3_heuristic(...) -> int (FA3's num_splits_heuristic)
  *   step(...) -> plan, FA3 reference, limits, epochs, packed tables (_cw_step.c)
  */
@@ -200,6 +201,7 @@ static PyObject *py_fa3_heuristic(PyObject *self, PyObject *args) {
 
 PyObject *dcp_pack(PyObject *self, PyObject *args);  /* _dcp_pack.c */
 PyObject *dcp_step(PyObject *self, PyObject *args);  /* _cw_step.c */
+PyObject *engine_greedy(PyObject *self, PyObject *args);  /* _engine_sched.c */
 
 static PyMethodDef methods[] = {
     {"simulate", py_simulate, METH_VARARGS, "Bulk critical-wave simulation of a task-group workload."},
@@ -207,6 +209,7 @@ static PyMethodDef methods[] = {
     {"plan", py_plan, METH_VARARGS, "Critical-wave split search (split_search.plan_splits core)."},
     {"fa3_heuristic", py_fa3_heuristic, METH_VARARGS, "FA3 num_splits_heuristic (fa3.py)."},
     {"step", dcp_step, METH_VARARGS, "Plan and pack one decode step (megadcp.tables.build_descriptor_tables)."},
+    {"greedy", engine_greedy, METH_VARARGS, "Greedy list scheduling (pallas.megadcp_engine_tables._greedy_python)."},
     {NULL, NULL, 0, NULL},
 };
 

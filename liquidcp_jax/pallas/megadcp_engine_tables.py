@@ -197,6 +197,47 @@ def _ranges(counts):
     return owner, np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
+def _greedy_python(cost, loads, ready=None):
+    """The specification of :func:`greedy` (the compiled one must agree exactly)."""
+    heap = [(float(x), g) for g, x in enumerate(loads)]
+    heapq.heapify(heap)
+    assign = np.empty(len(cost), np.int64)
+    finish = np.empty(len(cost))
+    for i in range(len(cost)):
+        load, g = heapq.heappop(heap)
+        start = load if ready is None else max(load, float(ready[i]))
+        assign[i], finish[i] = g, start + float(cost[i])
+        heapq.heappush(heap, (finish[i], g))
+    for x, g in heap:
+        loads[g] = x
+    return assign, finish
+
+
+def greedy(cost, loads, ready=None, *, native: bool | None = None):
+    """Greedy list scheduling: task ``i`` (in order) goes to the CTA of least ``(load, index)``,
+    starts at ``max(load, ready[i])`` and ends ``cost[i]`` later.
+
+    Args:
+      cost: ``[n]`` task costs.
+      loads: ``float64[G]`` busy time per CTA; updated in place to the time after the tasks.
+      ready: ``[n]`` earliest start per task, or None.
+      native: use the compiled loop (``megadcp._cw_native``); default: when it is built.
+    Returns:
+      ``(assign int64[n], finish float64[n])``.
+    """
+    from liquidcp_jax.megadcp import critical_wave as cw
+    if native is None:
+        native = cw.native_available() and hasattr(cw._cw_native, "greedy")
+    if not native:
+        return _greedy_python(cost, loads, ready)
+    cost = np.ascontiguousarray(cost, np.float64)
+    assign = np.empty(cost.size, np.int64)
+    finish = np.empty(cost.size)
+    r = None if ready is None else np.ascontiguousarray(ready, np.float64)
+    cw._cw_native.greedy(cost, r, loads, assign, finish)
+    return assign, finish
+
+
 def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: bool | None = None,
                 tq_cap: int | None = None, hist_rows: int | None = None,
                 capacities: dict | None = None, min_capacity: int = 8) -> EnginePlan:
@@ -330,28 +371,17 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
     g_start = np.cumsum(g_cnt) - g_cnt
 
     # ---- static assignment to CTAs
-    cost = cols["n_tiles"] + ATTN_OVERHEAD
-    heap = [(0.0, g) for g in range(G)]
-    cta_of = np.empty(A, np.int64)
-    finish = np.empty(A)
-    for a in range(A):   # queue order: least-loaded CTA first (ties: lowest index)
-        load, g = heapq.heappop(heap)
-        cta_of[a] = g
-        finish[a] = load + float(cost[a])
-        heapq.heappush(heap, (finish[a], g))
+    loads = np.zeros(G)
+    # queue order: least-loaded CTA first (ties: lowest index)
+    cta_of, finish = greedy(cols["n_tiles"] + ATTN_OVERHEAD, loads)
     ready = np.zeros(U)
     np.maximum.at(ready, m_grp, finish[m_slot])
     by_ready = np.argsort(ready, kind="stable")
     red_cta = np.empty(U, np.int64)
     rcost = RED_OVERHEAD + RED_PER_INPUT * g_cnt
-    heapq.heapify(heap)   # CTAs by the end of their attention work
-    for u in by_ready:    # earliest-ready item to the CTA that frees first (finishes it first)
-        load, g = heapq.heappop(heap)
-        red_cta[u] = g
-        heapq.heappush(heap, (max(load, ready[u]) + float(rcost[u]), g))
-    est_busy = np.zeros(G)
-    for load, g in heap:
-        est_busy[g] = load
+    # earliest-ready item to the CTA that frees first (so that it finishes it first)
+    red_cta[by_ready], _ = greedy(rcost[by_ready], loads, ready[by_ready])
+    est_busy = loads
     red_seq = by_ready[np.argsort(red_cta[by_ready], kind="stable")]
 
     # ---- pack (CTA-major; within a CTA: queue order / ready order)
