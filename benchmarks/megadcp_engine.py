@@ -25,7 +25,14 @@ Cases are data (``SYNTHETIC``, ``MOONCAKE_*``); Mooncake snapshots come from
 ``benchmarks/results/latest/mooncake_snapshots.json`` (the builder's output, in the repository).
 One harness case per group of snapshots sharing a capacity bucket (one compile per mode).
 
+``--calibrate`` instead fits the critical-wave model to the engine (issue 24 item 4, paper
+Appendix A.2): the fused engine runs a decode-only batch with the on-device profiler
+(``EngineConfig(profile_dir=...)``), per-CTA attention / reduction busy times are read from its
+trace, and ``megadcp.calibrate.calibrate`` fits ``Params`` to them; the report holds the fitted
+parameters, their RMSE, the busy times and the input ``liquidcp calibrate`` reads.
+
     python -m benchmarks.megadcp_engine [--quick] [--out FILE] [--cases NAMES] [--budget-s S]
+    python -m benchmarks.megadcp_engine --calibrate [--calibration-batches N]
     (on the H200: bash benchmarks/device/megadcp.sh)
 """
 from __future__ import annotations
@@ -47,6 +54,7 @@ from liquidcp_jax.megadcp.split_search import fa3_reference_splits
 from liquidcp_jax.megadcp.tables import build_descriptor_tables as build_tables
 from liquidcp_jax.megadcp.tables import local_history_lengths
 from liquidcp_jax.pallas import megadcp_engine as eng
+from liquidcp_jax.pallas import megadcp_engine_profile as prof
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 
 D = 128
@@ -295,6 +303,14 @@ def main(argv=None) -> int:
                     help="host only: time planning and engine-table packing on the snapshots")
     ap.add_argument("--pack-repeats", type=int, default=5,
                     help="--pack-only: runs per step (its best is the step's time)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="fit the critical-wave model to profiled engine runs (GPU) instead")
+    ap.add_argument("--calibration-batches", type=int, default=3,
+                    help="--calibrate: decode-only batches (seeds 0..N-1), each fitted")
+    ap.add_argument("--fit", action="store_true",
+                    help="--calibrate: also fit here (minutes of host time per batch)")
+    ap.add_argument("--clock-ghz", type=float, default=None,
+                    help="--calibrate: SM clock (default: nvidia-smi's clocks.sm after the run)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke test: one tiny case, 4 CTAs, the Mosaic GPU interpreter")
     a = ap.parse_args(argv)
@@ -302,6 +318,8 @@ def main(argv=None) -> int:
     INTERPRET = a.interpret
     if a.pack_only:
         return pack_timing(a, argv)
+    if a.calibrate:
+        return calibration(a, argv)
     G = 4 if a.interpret else eng.EngineConfig().grid()
     bw, rate = (1e12, 1e14) if a.interpret else ceilings()
     report = H.Report("benchmarks.megadcp_engine", a.out, argv, quiet=("splits_cw", "splits_fa3"),
@@ -315,6 +333,71 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     report.update(summary=summary)
     print_table(rows, summary)
+    return 0
+
+
+def sm_clock_ghz():
+    """The GPU's current SM clock from nvidia-smi (None where it cannot be read)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return float(out.split()[0]) / 1e3
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def calibration(a, argv):
+    """Profiles the fused engine on decode-only batches and fits ``critical_wave.Params``."""
+    import shutil
+    from liquidcp_jax.megadcp import calibrate as cal
+    G = eng.EngineConfig().grid()
+    report = H.Report("benchmarks.megadcp_engine --calibrate", a.out, argv, num_sms=G,
+                      quiet=("calibrate_input",))
+    pdir = os.path.join(os.path.dirname(os.path.abspath(a.out)), "megadcp_engine_profile")
+    rng = np.random.default_rng(0)
+    hq = 8
+    for b in range(a.calibration_batches):
+        hist, ql = synthetic(2 * G, 2 * G * 8192, 100 + b)   # ~2 requests per CTA, ~2M tokens
+        t = build_tables(hist, ql, 1, hq)
+        plan = et.pack_engine(t, 0, num_ctas=G)
+        shutil.rmtree(pdir, ignore_errors=True)
+        os.makedirs(pdir)
+        cfg = eng.EngineConfig(profile_dir=pdir)
+        s = plan.shape
+        mk = lambda *sh: jnp.asarray(rng.standard_normal(sh), DTYPE)  # noqa: E731
+        q = mk(s.tq_cap, hq, D)
+        args = (q, q, mk(s.tq_cap, D), mk(s.tq_cap, D), mk(s.hist_rows, D), mk(s.hist_rows, D))
+        f = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, s, scale=D ** -0.5, config=cfg))
+        jax.block_until_ready(f(*args))        # compile + a cold run (its trace is dropped)
+        for p in os.listdir(pdir):
+            os.remove(os.path.join(pdir, p))
+        jax.block_until_ready(f(*args))        # the profiled run
+        clock = a.clock_ghz or sm_clock_ghz() or 1.98
+        attn, red = prof.busy_from_trace(prof.latest_trace(pdir), G, clock)
+        inp = prof.model_inputs(t)
+        tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
+        cin = prof.calibration_input(attn, red, tiles, splits, G, **inp)
+        path = os.path.join(os.path.dirname(os.path.abspath(a.out)),
+                            f"megadcp_calibration_input{b}.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(cin, fh)
+        row = {"case": f"calibration{b}", "requests": len(hist), "history_tokens": int(sum(hist)),
+               "clock_ghz": clock, "attention_busy_us_mean": float(attn.mean()),
+               "attention_busy_us_max": float(attn.max()),
+               "reduction_busy_us_mean": float(red.mean()), "calibrate_input": cin}
+        msg = ""
+        if a.fit:   # minutes of host time: on the device machine, rather fit the inputs later
+            t0 = time.perf_counter()
+            params, rmse = cal.calibrate(attn, red, tiles, splits, num_ctas=G, **inp)
+            fields = ("rho", "delta_attn", "delta_red", "gamma", "time_unit_us")
+            row.update(params={k: getattr(params, k) for k in fields}, rmse_us=rmse,
+                       fit_s=time.perf_counter() - t0)
+            msg = f", fit {row['params']}, RMSE {rmse}"
+        report.add(row)
+        print(f"calibration{b}: {len(hist)} requests, clock {clock:.2f} GHz, attention busy "
+              f"{attn.mean():.1f} us mean / {attn.max():.1f} max; wrote {path} "
+              f"(liquidcp calibrate {os.path.basename(path)}){msg}", flush=True)
     return 0
 
 

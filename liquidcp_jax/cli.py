@@ -227,7 +227,9 @@ input: a JSON object measured on one calibration batch (paper Appendix A.2):
   "reduction_busy_us": [K] history-reduction busy time of each CTA (µs), or null
   "history_tiles":     [S] local history KV tiles per request
   "splits":            [S] the KV splits the batch ran with
-  optional: "vectors" [S], "query_tiles" [S], "warps_per_cta" (default 12)
+  optional: "vectors" [S], "query_tiles" [S], "warps_per_cta" (default 12), and the plan's
+  "order" ("fifo" | "lpt"), "epochs" [S], "copy_run", "merge_run"
+  (python -m benchmarks.megadcp_engine --calibrate writes such files from profiled engine runs)
 """
 
 
@@ -277,7 +279,8 @@ def _calibrate_inputs(args):
 def _calibrate_run(args) -> int:
     from liquidcp_jax.megadcp import calibrate as cal
     data, true = _calibrate_inputs(args)
-    extra = {k: data[k] for k in ("vectors", "query_tiles") if data.get(k) is not None}
+    extra = {k: data[k] for k in ("vectors", "query_tiles", "order", "epochs", "copy_run",
+                                  "merge_run") if data.get(k) is not None}
     t0 = time.perf_counter()
     params, rmse = cal.calibrate(data["attention_busy_us"], data.get("reduction_busy_us"),
                                  data["history_tiles"], data["splits"], num_ctas=int(data["num_ctas"]),

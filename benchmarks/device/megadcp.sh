@@ -4,7 +4,9 @@
 # Parts:
 #   tests   tests/test_megadcp_engine_gpu.py, 4 xdist workers ($OUT/engine_tests.log)
 #   bench   python -m benchmarks.megadcp_engine $BENCH_ARGS ($OUT/engine.json)
-# Env: TEST_S, BENCH_S (timeouts), BENCH_ARGS (default --quick --budget-s 150).
+#   calibrate  profiled engine runs -> per-CTA busy times ($OUT/calibration.json and
+#           $OUT/megadcp_calibration_input*.json; fit them off the device with liquidcp calibrate)
+# Env: TEST_S, BENCH_S, CAL_S (timeouts), BENCH_ARGS (default --quick --budget-s 150).
 source "$(dirname "$0")/prelude.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
@@ -15,5 +17,7 @@ for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
   bench) if [ -f benchmarks/megadcp_engine.py ]; then
            step engine "${BENCH_S:-220}" "$PY" -m benchmarks.megadcp_engine ${BENCH_ARGS:---quick --budget-s 150} --out "$OUT/engine.json"
          else echo "benchmarks/megadcp_engine.py is not in this tree"; fi ;;
-  *) echo "unknown part '$p' (tests bench)" >&2; exit 2 ;;
+  calibrate) step calibrate "${CAL_S:-150}" "$PY" -m benchmarks.megadcp_engine --calibrate \
+               --out "$OUT/calibration.json" ;;
+  *) echo "unknown part '$p' (tests bench calibrate)" >&2; exit 2 ;;
 esac; done; done

@@ -56,6 +56,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax import state as st
+from liquidcp_jax.pallas import megadcp_engine_profile as prof_lib
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 from liquidcp_jax.pallas.common import (LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params,
                                         ladder_store, masked_split_loop, swizzled)
@@ -75,14 +76,18 @@ class EngineConfig:
     ``block_kv``: keys per KV tile; ``max_concurrent_steps``: KV ring slots (2 at ``D = 128``:
     the f32 partial-state staging takes the third slot's SMEM); ``num_ctas``: grid size
     (default: SM count); ``fused``: one launch with device-side counters (False: attention
-    launch + reduction launch, no semaphores). The compute warpgroups' ping-pong runs on
-    hardware named barriers on the GPU (the tile-attention forward's schedule; the interpreter
-    uses an mbarrier).
+    launch + reduction launch, no semaphores); ``profile_dir``: calibration mode (fused only):
+    each warpgroup records its ``attention`` and ``reduction`` regions with Mosaic GPU's
+    on-device profiler, and a Chrome trace is written into this directory after each launch
+    (:mod:`megadcp_engine_profile` turns it into per-CTA busy times). The compute warpgroups'
+    ping-pong runs on hardware named barriers on the GPU (the tile-attention forward's
+    schedule; the interpreter uses an mbarrier).
     """
     block_kv: int = 128
     max_concurrent_steps: int = 2
     num_ctas: int | None = None
     fused: bool = True
+    profile_dir: str | None = None
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -96,6 +101,13 @@ class EngineConfig:
             raise ValueError(f"num_ctas must be None or an int >= 1, got {self.num_ctas!r}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused must be a bool, got {self.fused!r}")
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
+                                             or not self.profile_dir):
+            raise ValueError(f"profile_dir must be None or a directory path, got "
+                             f"{self.profile_dir!r}")
+        if self.profile_dir is not None and not self.fused:
+            raise ValueError("profile_dir needs fused=True (calibration profiles the one-launch "
+                             "engine)")
 
     def grid(self) -> int:
         if self.num_ctas is not None:
@@ -111,7 +123,8 @@ def smem_bytes(config: EngineConfig, head_dim: int, itemsize: int, final: bool) 
             + aligned(2 * _BQ * d * 4) + aligned(2 * _BQ * 4))
     red = (aligned(4 * _BQ * d * 4) + aligned(4 * _BQ * 4)
            + aligned(2 * _BQ * d * (itemsize if final else 4)) + aligned(2 * _BQ * 4))
-    return max(attn, red) + _MOSAIC_OVERHEAD
+    prof = 0 if config.profile_dir is None else 4 * 3 * 4 * prof_lib.PROFILE_SPACE
+    return max(attn, red) + _MOSAIC_OVERHEAD + prof
 
 
 def check_inputs(dtype, head_dim, config: EngineConfig, final: bool):
@@ -376,8 +389,12 @@ def _build(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str,
     else:
         res_types = (jax.ShapeDtypeStruct((U_cap, _ROWS, d), jnp.float32),
                      jax.ShapeDtypeStruct((U_cap, _ROWS), jnp.float32))
-    kw = dict(grid=(G,), grid_names=("sm",), num_threads=3, thread_name="wg",
-              compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
+    profile = {} if config.profile_dir is None or interpret else dict(
+        profile_space=prof_lib.PROFILE_SPACE, profile_dir=config.profile_dir,
+        profile_bounds_check=True)   # a truncated trace is reported, never corrupts SMEM
+    kw = dict(grid=(G,), grid_names=("sm",), num_threads=prof_lib.NUM_WARPGROUPS,
+              thread_name="wg", compiler_params=plgpu.CompilerParams(
+                  approx_math=True, reduction_scratch_bytes=0, **profile))
     kw.update(interpret_params(interpret))
 
     if config.fused:
@@ -389,11 +406,14 @@ def _build(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str,
             sems = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((2 * U_cap,)))
 
             def scoped(bars, in_bar):
-                _attention_phase(cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref,
-                                             pl_ref), bars, sems)
-                _reduction_phase(d, dtype, final, True,
-                                 (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
-                                 in_bar, sems)
+                # The named regions are what the profiler records (calibration mode).
+                with jax.named_scope(prof_lib.ATTENTION):
+                    _attention_phase(cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh,
+                                                 po_ref, pl_ref), bars, sems)
+                with jax.named_scope(prof_lib.REDUCTION):
+                    _reduction_phase(d, dtype, final, True,
+                                     (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
+                                     in_bar, sems)
 
             pl.run_scoped(scoped, _phase1_barriers(mcs),
                           plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")

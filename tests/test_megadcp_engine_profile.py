@@ -1,0 +1,122 @@
+"""Calibration mode of the MegaDCP engine on the CPU: the profiled engine lowers for CUDA with
+the profiler's buffer, and per-CTA busy times are read back from a trace in the profiler's own
+format (written by Mosaic GPU's ``ProfilerSpec.dump`` from a buffer laid out as the device
+writes it)."""
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+
+from liquidcp_jax.pallas import megadcp_engine as eng
+from liquidcp_jax.pallas import megadcp_engine_profile as prof
+from liquidcp_jax.pallas import megadcp_engine_tables as et
+
+from _engine_cases import build_tables
+
+
+def test_profiled_engine_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
+    # Lowering for CUDA on the CPU cannot emit the host callback that writes the trace (it
+    # needs a CUDA backend); everything else (the kernel with the profiler's SMEM and output
+    # buffer) lowers as on the GPU.
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
+    t = build_tables([900, 0, 40], [16, 16, 3], 1, 8)
+    plan = et.pack_engine(t, 0, num_ctas=6)
+    s = plan.shape
+    sd = jax.ShapeDtypeStruct
+    args = (sd((s.tq_cap, 8, 128), jnp.bfloat16), sd((s.tq_cap, 128), jnp.bfloat16),
+            sd((s.tq_cap, 128), jnp.bfloat16), sd((s.hist_rows, 128), jnp.bfloat16),
+            sd((s.hist_rows, 128), jnp.bfloat16))
+    outs = {}
+    for pdir in (None, str(tmp_path)):
+        cfg = eng.EngineConfig(num_ctas=6, profile_dir=pdir)
+        f = jax.jit(lambda q, *a: eng.megadcp_engine(q, q, *a, plan.tables, s, scale=0.1, config=cfg))
+        txt = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        (line,) = [x for x in txt.splitlines() if "custom_call @mosaic_gpu" in x]
+        outs[pdir] = line
+    entries = 6 * prof.NUM_WARPGROUPS * 4 * prof.PROFILE_SPACE
+    assert f"tensor<{entries}xui32>" in outs[str(tmp_path)]
+    assert "ui32>" not in outs[None]
+    with pytest.raises(ValueError, match="profile_dir needs fused=True"):
+        eng.EngineConfig(fused=False, profile_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
+        eng.EngineConfig(profile_dir="")
+
+
+def _device_buffer(spec, regions, start_ns=1000):
+    """The profiler's GMEM buffer as the device leaves it: per (CTA, warpgroup) a header (start
+    time, SM id, entries used) then (tag, %clock) pairs. ``regions[(cta, wg)]``: list of
+    (name, enter_cycle, exit_cycle), in order."""
+    G = 1 + max(c for c, _ in regions)
+    n = spec.entries_per_warpgroup
+    buf = np.zeros((G, prof.NUM_WARPGROUPS, n), np.uint32)
+    for (c, wg), regs in regions.items():
+        ev = []
+        for name, a, b in regs:
+            i = spec.intern_name(name)
+            ev += [spec.ENTER | i, a, spec.EXIT | i, b]
+        buf[c, wg, :3] = (start_ns + 7 * c, c, len(ev))
+        buf[c, wg, 3:3 + len(ev)] = ev
+    return buf.reshape(-1), G
+
+
+def test_busy_times_from_a_profiler_trace():
+    rng = np.random.default_rng(0)
+    G, clock = 5, 1.5
+    A = rng.integers(2000, 90000, (G, 2))   # attention cycles of the compute warpgroups
+    R = rng.integers(500, 9000, (G, 2))     # their reduction cycles
+    gap = 10                                # cycles between leaving one region, entering the next
+    regions = {}
+    for c in range(G):
+        for wg in (0, 1):
+            a, r = int(A[c, wg]), int(R[c, wg])
+            regions[(c, wg)] = [("attention", 5, 5 + a), ("reduction", 5 + a + gap, 5 + a + gap + r)]
+        regions[(c, 2)] = [("attention", 5, 5 + 10 ** 6)]   # the producer: left out
+    spec = mgpu_profiler.ProfilerSpec(4 * prof.PROFILE_SPACE)
+    buf, G = _device_buffer(spec, regions)
+    f = io.StringIO()
+    spec.dump(buf, f, grid=(G, 1, 1), block=(128 * prof.NUM_WARPGROUPS, 1, 1))
+    trace = json.loads(f.getvalue())
+    attn, red = prof.busy_from_trace(trace, G, clock)
+    # The profiler subtracts its own cost per event: min gap between events - 1 = 9 cycles.
+    ov = gap - 1
+    want_attn = (A - ov).max(axis=1) / 1e3 / clock
+    att_end = A - ov
+    red_end = A + gap + R - 3 * ov
+    want_red = (red_end.max(axis=1) - att_end.max(axis=1)) / 1e3 / clock
+    np.testing.assert_allclose(attn, want_attn, rtol=1e-12)
+    np.testing.assert_allclose(red, want_red, rtol=1e-12)
+    with pytest.raises(ValueError, match="outside num_ctas"):
+        prof.busy_from_trace(trace, G - 1, clock)
+    with pytest.raises(ValueError, match="no 'attention' region"):
+        prof.busy_from_trace({"traceEvents": []}, 2, clock)
+    with pytest.raises(ValueError, match="clock_ghz"):
+        prof.busy_from_trace(trace, G, 0)
+
+
+def test_model_inputs_feed_the_calibration(tmp_path, monkeypatch, capsys):
+    """The model's description of a decode batch (with the plan's order and epochs) runs through
+    ``liquidcp calibrate``: busy times simulated with known parameters on it are fitted back."""
+    from liquidcp_jax import cli
+    from liquidcp_jax.megadcp import critical_wave as cw
+    hist = np.random.default_rng(1).integers(2000, 60000, 12).tolist()
+    t = build_tables(hist, [16] * 12, 1, 8)
+    inp = prof.model_inputs(t)
+    assert len(inp["history_tiles"]) == 12 and inp["vectors"] == [16 * 8] * 12
+    true = cw.Params(num_ctas=6, rho=0.6, delta_attn=5.0, delta_red=0.0, gamma=0.0,
+                     warps_per_cta=12, time_unit_us=0.25)
+    tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
+    _, tl = cw.simulate(tiles, splits, true, return_timeline=True, **inp)
+    busy = tl.attention_busy(6) * true.time_unit_us
+    data = prof.calibration_input(busy, busy * 0, tiles, splits, 6, **inp)
+    data["reduction_busy_us"] = None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cal.json").write_text(json.dumps(data))
+    assert cli.main(["calibrate", "cal.json", "--out", "fit.json"]) == 0
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert (fit["params"]["rho"], fit["params"]["delta_attn"]) == (pytest.approx(0.6), 5.0)
+    assert fit["params"]["time_unit_us"] == pytest.approx(0.25)
+    assert fit["rmse"]["attention_us"] < 1e-9
