@@ -114,14 +114,17 @@ def test_two_steps_one_bucket_compile_once(rng):
 @pytest.mark.parametrize("backend", ["pallas", "auto"])
 def test_op_engine_matches_float64(rng, backend):
     """megadcp_attention on one H200 (P = 1: the whole step in one launch) vs float64; "auto"
-    picks the engine on Hopper."""
+    picks the engine on Hopper once ``ENGINE_IN_AUTO`` is on (this test is what enables it)."""
     import liquidcp_jax as lcp
+    from liquidcp_jax.megadcp import ops as dcp_ops
     from liquidcp_jax.pallas import megadcp_engine_op as engine_op
     from liquidcp_jax.reference import decode_reference, rel_error
+    if backend == "auto" and not dcp_ops.ENGINE_IN_AUTO:
+        pytest.skip("ENGINE_IN_AUTO is off: 'auto' runs the XLA executor")
     hist, ql = [0, 1, 1000, 40000, 777], [16, 16, 1, 300, 16]
     mesh = jax.make_mesh((1,), ("dcp",), devices=jax.devices()[:1])
-    plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=8)
-    assert plan.engine is not None   # packed by default on Hopper
+    plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=8, engine=True if backend == "pallas" else None)
+    assert plan.engine is not None
     mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)  # noqa: E731
     nq, nh = sum(ql), sum(hist)
     args = (mk(nq, 8, 128), mk(nq, 1, 128), mk(nq, 1, 128), mk(nh, 1, 128), mk(nh, 1, 128))

@@ -148,7 +148,8 @@ def megadcp_attention(q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, sca
         (Hopper, bf16 / f16, head dim 64 or 128, one KV head, a plan with engine tables: with
         ``P = 1`` the whole step is one kernel launch; with ``P > 1`` the query all-gather and the
         result all-to-all stay XLA collectives around the engine's launch); ``"xla"``, the
-        portable executor (any ``Hkv``). ``"auto"`` takes the engine where it can run, else XLA.
+        portable executor (any ``Hkv``). ``"auto"`` runs XLA (the engine joins it once it has
+        passed its GPU tests: ``ENGINE_IN_AUTO``).
         A named backend that cannot run raises ``ValueError`` saying why.
       history_layout: ``"sharded"`` (laid out by ``plan.shard_history``), ``"packed"`` or
         ``"auto"`` (by row count; ambiguous, hence an error, when ``sum(history_lengths)`` equals
@@ -194,8 +195,12 @@ def _engine_unsupported(c: MegaDcpCall) -> str | None:
     return engine_op.unsupported_reason(c.q.dtype, c.q.shape[-1], c.plan.engine)
 
 
-#: MegaDCP's backends, ``"auto"`` trying them in order: the GPU engine, then the XLA executor.
+#: Whether ``"auto"`` tries the GPU engine first: not until it has passed its GPU tests on an
+#: H200 (docs/decisions.md, "MegaDCP's auto backend"); ``backend="pallas"`` runs it meanwhile.
+ENGINE_IN_AUTO = False
+
+#: MegaDCP's backends, ``"auto"`` trying them in order (the GPU engine once enabled, then XLA).
 BACKENDS = Registry("megadcp_attention", [
     Backend("xla", _run_xla),
     Backend("pallas", _run_engine, _engine_unsupported),
-], auto=("pallas", "xla"))
+], auto=("pallas", "xla") if ENGINE_IN_AUTO else ("xla",))

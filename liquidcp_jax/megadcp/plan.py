@@ -84,7 +84,7 @@ class MegaDcpPlan:
         split source and capacity bucket.
       engine: the GPU engine's per-rank tables (``pallas.megadcp_engine_op.EngineData``: its
         static part joins the compile key, its tables are leaves), or ``None``
-        (``plan_megadcp(..., engine=False)``, or planned where no Hopper GPU is).
+        (unless ``plan_megadcp(..., engine=True)``, or "auto" would run the engine here).
     """
 
     static: DcpStatic
@@ -206,7 +206,8 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       memory_budget: bytes of attention temporaries the XLA executor may hold for one block of
         (task, KV tile) pairs; blocks run in a scan, so memory stays bounded for any batch.
       engine: also pack the GPU engine's per-rank tables (``backend="pallas"``; one KV head);
-        default: when the first JAX device is a Hopper GPU and ``num_kv_heads == 1``. engine_config: its
+        default: when ``"auto"`` would run the engine (``megadcp.ops.ENGINE_IN_AUTO``, a Hopper GPU
+        first, ``num_kv_heads == 1``); ``engine=True`` for ``backend="pallas"``. engine_config: its
         ``pallas.megadcp_engine.EngineConfig`` (grid size, fused or staged).
     Returns:
       :class:`MegaDcpPlan`.
@@ -243,9 +244,10 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     fits = engine_op.fits_plan(hist_cap, engine_config)
     if fits is None and num_kv_heads != 1:
         fits = f"the GPU engine runs one KV head per DCP group; num_kv_heads={num_kv_heads}"
-    if engine is None:   # pack when only the tables are missing, i.e. on a Hopper GPU
-        engine = (engine_op.unsupported_reason(jnp.bfloat16, 128, None) == engine_op.NO_TABLES
-                  and fits is None)
+    if engine is None:   # pack when "auto" would run the engine: on a Hopper GPU, once enabled
+        from liquidcp_jax.megadcp import ops as dcp_ops
+        engine = (dcp_ops.ENGINE_IN_AUTO and fits is None and
+                  engine_op.unsupported_reason(jnp.bfloat16, 128, None) == engine_op.NO_TABLES)
     elif engine and fits is not None:
         raise ValueError(f"engine=True: {fits}")
     engine_data = None
