@@ -93,8 +93,8 @@ def test_megaring_pallas_dtype_and_head_dim_reasons(mesh8, rng):
 
 
 def test_megadcp_rules(rng, monkeypatch):
-    """"auto" takes the GPU engine where it can run (Hopper, bf16 / f16, head dim 64 / 128, a
-    plan with engine tables), else XLA; "pallas" says why it cannot."""
+    """The GPU engine runs where it can (Hopper, bf16 / f16, head dim 64 / 128, a plan with engine
+    tables), "auto" taking it first once enabled, else XLA; "pallas" says why it cannot."""
     import jax
     import jax.numpy as jnp
     mesh = jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2])
@@ -119,7 +119,10 @@ def test_megadcp_rules(rng, monkeypatch):
     eplan = lcp.plan_megadcp([40, 3], [4, 1], mesh, num_q_heads=4, engine=True,
                              engine_config=eng.EngineConfig(num_ctas=4))
     ecall = call._replace(plan=eplan)
-    assert megadcp.BACKENDS.select("auto", ecall)[0].name == "pallas"
+    # "auto" tries the engine only once ENGINE_IN_AUTO is on (after its GPU tests pass)
+    want = "pallas" if megadcp.ops.ENGINE_IN_AUTO else "xla"
+    assert megadcp.BACKENDS.select("auto", ecall)[0].name == want
+    assert megadcp.BACKENDS.select("auto", ecall, auto=("pallas", "xla"))[0].name == "pallas"
     assert megadcp.BACKENDS.select("pallas", ecall)[0].name == "pallas"
     with pytest.raises(ValueError, match="backend must be one of"):
         megadcp.BACKENDS.select("cuda", call)
