@@ -60,9 +60,12 @@ def exact_shard_check(lengths, devices: int, cap: int, *, time_limit: float,
 
     An integer program over every (sequence, aligned group) pair, solved by HiGHS through
     ``scipy.optimize.milp`` (scipy comes with jax): one group per sequence, each device's
-    tokens and attention work (padding counted, as in ``metrics``) within the tolerances of
-    the placement's own means, shards ``sum g`` minimised subject to ``<= cap``.  Written
-    independently of BuddyRing's internals, so it also cross-checks the metrics.
+    valid tokens and valid pairs (each member's, as in ``metrics.member_loads``) within the
+    tolerances of the means, shards ``sum g`` minimised subject to ``<= cap``.  Written
+    independently of BuddyRing's internals, so it also cross-checks the metrics.  Each load row
+    is divided by its mean: unscaled work rows (coefficients ~1e8 next to 0/1 variables) made
+    HiGHS report feasible single-sequence problems infeasible (``lengths=[13376]`` on 4
+    devices, ``tests/test_buddyring_cap.py``).
     Returns:
       ``("infeasible", None)``: proven that none exists; ``("feasible", shards)``: the
       fewest shards found (optimal when the solver finished), checked with ``metrics``;
@@ -77,11 +80,12 @@ def exact_shard_check(lengths, devices: int, cap: int, *, time_limit: float,
               for st in range(0, n, g)]
     G = len(groups)
     gsize = np.asarray([g for _, g in groups], dtype=np.float64)
-    lp = metrics.padded_length(L[:, None], gsize[None, :].astype(np.int64))  # (S, G)
-    tok, wk = lp / gsize[None], metrics.attention_work(lp) / gsize[None]
-    mask = np.zeros((G, n))
+    tok = np.zeros((S, G, n))   # per-device loads of sequence i on group k
+    wk = np.zeros((S, G, n))
     for k, (st, g) in enumerate(groups):
-        mask[k, st:st + g] = 1.0
+        t, w = metrics.member_loads(L, g)
+        tok[:, k, st:st + g] = t
+        wk[:, k, st:st + g] = w
     rows, lo, hi = [], [], []
     for i in range(S):  # one group per sequence
         r = np.zeros((S, G))
@@ -90,9 +94,10 @@ def exact_shard_check(lengths, devices: int, cap: int, *, time_limit: float,
         lo.append(1.0)
         hi.append(1.0)
     for share, eps in ((tok, token_tol), (wk, attn_tol)):
-        total = (share * gsize[None]).ravel() / n  # the mean per device, linear in x
+        mean = share.sum(axis=2)[:, 0].sum() / n      # the same for every placement
+        total = share.sum(axis=2).ravel() / n / mean  # the mean per device (= 1), linear in x
         for d in range(n):
-            load = (share * mask[:, d][None]).ravel()
+            load = share[:, :, d].ravel() / mean
             rows += [load - (1 + eps) * total, (1 - eps) * total - load]
             lo += [-np.inf, -np.inf]
             hi += [0.0, 0.0]

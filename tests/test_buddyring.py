@@ -122,12 +122,18 @@ def test_device_budget_error():
     assert p.groups[0].size == 8
 
 
-def test_padding_counts_as_tokens():
-    # 1000 tokens on 4 devices pad to 1024 (2 * 4 * 128): 256 per device.
+def test_loads_count_valid_tokens_and_pairs_only():
+    # 1000 tokens on 4 devices: 8 chunks of 125, no padding counted; member p holds chunks p and
+    # 7 - p, so its causal pairs are sum(pos + 1) over those positions.
     p = Placement((1000,), 4, (Group(0, 4),))
-    tokens, _ = metrics.device_loads(p)
-    np.testing.assert_allclose(tokens, [256.0] * 4)
-    assert metrics.padded_length(1000, 1) == 1000
+    tokens, work = metrics.device_loads(p)
+    np.testing.assert_allclose(tokens, [250.0] * 4)
+    pos = np.arange(1000)
+    want = [(pos[(pos // 125 == m) | (pos // 125 == 7 - m)] + 1).sum() for m in range(4)]
+    np.testing.assert_allclose(work, want)
+    assert work.sum() == 1000 * 1001 / 2
+    # 1001 tokens: the first chunk gets the extra token.
+    assert list(metrics.zigzag_chunk_lengths(1001, 4)) == [126] + [125] * 7
 
 
 # --- shard floor and the rank_shards option (issue 3, "never more shards than Megatron") ---
@@ -240,7 +246,7 @@ def test_config_is_frozen_and_normalised():
 
 def test_config_errors_name_the_argument():
     for kw, name in [(dict(attn_tol=float("nan")), "attn_tol"), (dict(merge_bin=0), "merge_bin"),
-                     (dict(repair_iters=-1), "repair_iters"), (dict(align=0), "align"),
+                     (dict(repair_iters=-1), "repair_iters"),
                      (dict(length_cutoffs=(4096, 2048)), "length_cutoffs"),
                      (dict(max_shards="zeppelin"), "max_shards")]:
         with pytest.raises(ValueError, match=name):

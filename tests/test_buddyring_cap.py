@@ -1,7 +1,7 @@
 """BuddyRing's cap-directed search (``max_shards``; issue 3: "never more shards than Megatron")."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from liquidcp_jax.placement.buddyring import capsearch as cs
 from liquidcp_jax.placement import metrics
@@ -32,9 +32,10 @@ def _check(lengths, n, p, cap):
 # both tolerances but the earlier max_shards mode missed it (benchmarks/results/latest/placement*.json,
 # "exact"): found by the branch and bound (ArXiv), by the beam and its iterated local search,
 # and two that need a sequence below its A.1 minimum size (ProLong 64K 8, GitHub 64K 53).
+# (ArXiv 64K 53 left the list with the executed cost model: the integer program proves that
+# nothing within Megatron's 24 shards meets both tolerances there; the minimum is 32.)
 MISSED_BEFORE = [("arxiv", "128K", 5), ("arxiv", "128K", 9), ("arxiv", "128K", 17),
-                 ("arxiv", "64K", 53), ("prolong", "64K", 8), ("github", "64K", 53),
-                 ("freelaw", "128K", 17)]
+                 ("prolong", "64K", 8), ("github", "64K", 53), ("freelaw", "128K", 17)]
 
 
 @pytest.mark.parametrize("dataset,budget,seed", MISSED_BEFORE)
@@ -42,22 +43,23 @@ def test_cap_met_on_previously_missed_batches(dataset, budget, seed):
     lengths = sample_batch(dataset, budget, seed)
     cap = megatron_hybrid_cp(lengths, 8, cap=True).num_shards
     r = buddyring_search(lengths, 8, max_shards=cap)
-    assert r.feasible and r.source == "cap_search"
+    # With loads that count valid pairs only (no padding), several of these are met before the
+    # cap search runs (by the beam or the min-shard candidates); either way both hold.
+    assert r.feasible
     _check(lengths, 8, r.placement, cap)
     assert buddyring_search(lengths, 8, max_shards=cap) == r  # deterministic
     assert buddyring(lengths, 8, max_shards="megatron") == r.placement
 
 
-def test_below_the_a1_minimum_size():
-    # GitHub 64K seed 53: every placement within Megatron's 40 shards that the search finds
-    # puts a 17439-token sequence on 4 devices, below its A.1 minimum of 8 (padding raises the
-    # means above the padding-free ones A.1 tests against); size_floor allows it.
+def test_size_floor_is_the_a1_minimum():
+    # Loads count valid tokens and pairs only, so the means do not depend on the placement and
+    # no feasible placement puts a sequence below its A.1 minimum (under the padding model a
+    # 17439-token sequence of GitHub 64K seed 53 went below it).
     lengths = sample_batch("github", "64K", 53)
     pb = _problem(lengths, 8)
-    floor = cs.size_floor(pb)
-    assert np.all(floor <= pb.gmin) and np.any(floor < pb.gmin)
-    p = buddyring(lengths, 8, max_shards="megatron")
-    assert any(g.size < m for g, m in zip(p.groups, pb.gmin))
+    assert np.array_equal(cs.size_floor(pb), pb.gmin)
+    r = buddyring_search(lengths, 8, max_shards="megatron")
+    assert r.feasible and all(g.size >= m for g, m in zip(r.placement.groups, pb.gmin))
 
 
 def test_cap_search_not_run_without_a_cap(monkeypatch):
@@ -114,6 +116,9 @@ def test_pack_kicks_deterministic_and_legal():
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(200, 30000), min_size=1, max_size=6),
        log_n=st.integers(1, 2), slack=st.integers(-2, 6))
+# The integer program was wrong here (unscaled work rows: HiGHS reported the one-group
+# placement infeasible); benchmarks/placement.py now scales each load row by its mean.
+@example(lengths=[13376], log_n=2, slack=0)
 def test_branch_and_bound_agrees_with_the_integer_program(lengths, log_n, slack):
     # Cross-check against benchmarks/placement.py's integer program (scipy HiGHS): a
     # placement found meets both tolerances within the cap; "none exists" is never wrong.

@@ -1,15 +1,20 @@
 """Placement metrics (paper §4.2): per-device loads, imbalance, shards, communication.
 
-Every metric counts what the executor runs.  A sequence of length ``L`` on a
-group of ``g > 1`` devices is zigzag-cut into ``2g`` chunks aligned to
-``align`` tokens (paper A.1: ``256 g`` must divide ``L`` for ``align=128``);
-lengths that are not multiples of ``2 g align`` are padded internally, and the
-padding is counted as tokens and as attention work (padded tiles occupy the
-same slots in the kernel).  A local sequence (``g == 1``) is never padded.
+Every metric counts what the executor runs: *valid* tokens and *valid* (query, key) pairs per
+query-owning device, never padding.  MegaRing's layout (:mod:`liquidcp_jax.megaring.layout`)
+cuts a sequence of length ``L`` on a group of ``g`` devices into ``2g`` zigzag chunks whose valid
+lengths differ by at most one token (:func:`zigzag_chunk_lengths`); member ``p`` holds chunks
+``p`` and ``2g - 1 - p``, packed with no padding between sequences, so the executors compute, for
+member ``p``, exactly the causal pairs of its own tokens: ``sum (pos + 1)`` over them
+(:func:`member_loads`).  The loads below are those exact numbers (float64), so a placement's
+``D_T`` / ``D_W`` equal the executed ones counted from ``plan.shard`` of segment ids and
+positions (``tests/test_balance.py``).
 
-Each member of the group receives ``L_pad / g`` tokens and ``a(L_pad) / g``
-attention work with ``a(L) = L (L + 1) / 2`` for causal attention and ``L**2``
-otherwise.
+Tile granularity is deliberately *not* modelled: no backend pays per sequence for a partial
+tile any more (the layout packs sequences back to back, the Pallas kernels run packed segments,
+the XLA executor runs whole tiles of the packed buffer), so the only tile overhead is where a
+tile straddles two sequences, which no placement can move.  ``benchmarks/balance.py`` reports
+the XLA executor's tile pairs per device next to these figures (``docs/decisions.md``).
 """
 from __future__ import annotations
 
@@ -21,27 +26,47 @@ from liquidcp_jax.placement.types import Placement
 
 #: Length-class cutoffs of the splitting profile (paper A.1), in tokens.
 LENGTH_CUTOFFS = (2048, 4096, 8192, 16384)
-#: Zigzag chunk alignment in tokens (paper A.1: 128-token chunks).
-ALIGN = 128
 
 
-def padded_length(length, size, *, align: int = ALIGN):
-    """Length actually laid out for a sequence of ``length`` on ``size`` devices.
+def zigzag_chunk_lengths(length, size):
+    """Valid tokens of the ``2g`` zigzag chunks of a sequence: ``floor(L / 2g)`` each, plus one for
+    the first ``L mod 2g`` chunks (chunk ``j`` starts at position ``sum`` of the earlier ones).
 
     Args:
-      length: int or int array of sequence lengths.
-      size: int or int array (broadcast with ``length``) of group sizes.
-      align: zigzag chunk alignment in tokens.
+      length: int or ``(S,)`` int array of sequence lengths; size: the group size ``g`` (an int).
     Returns:
-      int64 array (or int) of the same broadcast shape: ``length`` where
-      ``size == 1``, else ``length`` rounded up to a multiple of ``2 * size * align``.
+      int64 ``(2g,)`` (or ``(S, 2g)``) chunk lengths.
     """
-    length = np.asarray(length, dtype=np.int64)
-    size = np.asarray(size, dtype=np.int64)
-    unit = 2 * size * int(align)
-    padded = -(-length // unit) * unit
-    out = np.where(size > 1, padded, length)
-    return int(out) if out.ndim == 0 else out
+    L = np.asarray(length, dtype=np.int64)
+    two_g = 2 * int(size)
+    j = np.arange(two_g)
+    return L[..., None] // two_g + (j < (L[..., None] % two_g))
+
+
+def member_loads(length, size, *, causal: bool = True):
+    """Valid tokens and valid (query, key) pairs of each member of a size-``g`` group holding a
+    sequence of ``length`` (member ``p``: zigzag chunks ``p`` and ``2g - 1 - p``).
+
+    Causal: a token at position ``x`` attends ``x + 1`` keys of its sequence; non-causal: ``L``.
+    Members' tokens differ by at most one and their sums are ``L`` and ``a(L)`` for every ``g``.
+
+    Args:
+      length: int or ``(S,)`` int array; size: ``g`` (an int).
+    Returns:
+      ``(tokens, work)``: float64 ``(g,)`` (or ``(S, g)``) each.
+    """
+    g = int(size)
+    L = np.asarray(length, dtype=np.int64)
+    n = zigzag_chunk_lengths(L, g)                                   # (..., 2g)
+    s = np.cumsum(n, axis=-1) - n                                    # first position of each chunk
+    if causal:
+        cw = (n * s + n * (n + 1) // 2).astype(np.float64)           # sum of (pos + 1) over the chunk
+    else:
+        cw = (n * L[..., None]).astype(np.float64)
+    p = np.arange(g)
+    back = 2 * g - 1 - p
+    tok = (n[..., p] + n[..., back]).astype(np.float64)
+    return tok, cw[..., p] + cw[..., back]
 
 
 def attention_work(length, *, causal: bool = True):
@@ -50,28 +75,22 @@ def attention_work(length, *, causal: bool = True):
     return length * (length + 1.0) / 2.0 if causal else length * length
 
 
-def device_loads(p: Placement, *, causal: bool = True, align: int = ALIGN):
-    """Per-device token and attention loads of a placement.
+def device_loads(p: Placement, *, causal: bool = True):
+    """Per-device valid tokens and valid (query, key) pairs of a placement (:func:`member_loads`).
 
     Returns:
       ``(tokens, work)``: two ``(num_devices,)`` float64 arrays.
     """
     lengths = np.asarray(p.lengths, dtype=np.int64)
     sizes, starts = p.sizes, p.starts
-    lp = padded_length(lengths, sizes, align=align)
-    tok_share = lp / sizes
-    work_share = attention_work(lp, causal=causal) / sizes
     tokens = np.zeros(p.num_devices)
     work = np.zeros(p.num_devices)
-    # Difference arrays: each group is a contiguous device range.
-    dt = np.zeros(p.num_devices + 1)
-    dw = np.zeros(p.num_devices + 1)
-    np.add.at(dt, starts, tok_share)
-    np.add.at(dt, starts + sizes, -tok_share)
-    np.add.at(dw, starts, work_share)
-    np.add.at(dw, starts + sizes, -work_share)
-    tokens[:] = np.cumsum(dt)[:-1]
-    work[:] = np.cumsum(dw)[:-1]
+    for g in np.unique(sizes):
+        sel = np.nonzero(sizes == g)[0]
+        tk, wk = member_loads(lengths[sel], int(g), causal=causal)    # (k, g)
+        dev = (starts[sel][:, None] + np.arange(int(g))[None]).ravel()
+        tokens += np.bincount(dev, tk.ravel(), minlength=p.num_devices)
+        work += np.bincount(dev, wk.ravel(), minlength=p.num_devices)
     return tokens, work
 
 
@@ -83,9 +102,9 @@ def relative_deviation(loads: np.ndarray) -> np.ndarray:
     return np.abs(loads / safe - 1.0).max(axis=-1)
 
 
-def imbalance(p: Placement, causal: bool = True, *, align: int = ALIGN) -> tuple[float, float]:
-    """``(D_T, D_W)``: max relative deviation of per-device tokens and attention work."""
-    tokens, work = device_loads(p, causal=causal, align=align)
+def imbalance(p: Placement, causal: bool = True) -> tuple[float, float]:
+    """``(D_T, D_W)``: max relative deviation of per-device valid tokens and valid pairs."""
+    tokens, work = device_loads(p, causal=causal)
     return float(relative_deviation(tokens)), float(relative_deviation(work))
 
 
@@ -99,11 +118,10 @@ def num_shards(p: Placement) -> int:
     return p.num_shards
 
 
-def comm_proxy(p: Placement, *, align: int = ALIGN) -> float:
-    """Communication proxy ``sum_i L_i (g_i - 1) / g_i`` over padded lengths (tokens)."""
+def comm_proxy(p: Placement) -> float:
+    """Communication proxy ``sum_i L_i (g_i - 1) / g_i`` (tokens)."""
     sizes = p.sizes
-    lp = padded_length(np.asarray(p.lengths), sizes, align=align)
-    return float(np.sum(lp * (sizes - 1) / sizes))
+    return float(np.sum(np.asarray(p.lengths, dtype=np.float64) * (sizes - 1) / sizes))
 
 
 def distinct_groups(p: Placement) -> int:
@@ -146,8 +164,8 @@ class PlacementMetrics:
       comm_proxy: ``sum_i L_i (g_i - 1) / g_i`` in tokens.
       distinct_groups: number of distinct multi-device groups.
       splitting_profile: see :func:`splitting_profile`.
-      tokens: ``(N,)`` float64 tokens per device (padding included).
-      work: ``(N,)`` float64 attention work per device.
+      tokens: ``(N,)`` float64 valid tokens per device.
+      work: ``(N,)`` float64 valid (query, key) pairs per device.
     """
 
     d_t: float
@@ -163,25 +181,25 @@ class PlacementMetrics:
 
 
 def summarize(p: Placement, *, causal: bool = True, token_tol: float = 0.10,
-              attn_tol: float = 0.05, align: int = ALIGN) -> PlacementMetrics:
+              attn_tol: float = 0.05) -> PlacementMetrics:
     """All metrics of :class:`PlacementMetrics` for ``p``."""
-    tokens, work = device_loads(p, causal=causal, align=align)
+    tokens, work = device_loads(p, causal=causal)
     d_t, d_w = float(relative_deviation(tokens)), float(relative_deviation(work))
     v = violation(d_t, d_w, token_tol, attn_tol)
     return PlacementMetrics(d_t=d_t, d_w=d_w, violation=v, feasible=v <= 1e-12,
-                            num_shards=p.num_shards, comm_proxy=comm_proxy(p, align=align),
+                            num_shards=p.num_shards, comm_proxy=comm_proxy(p),
                             distinct_groups=distinct_groups(p),
                             splitting_profile=splitting_profile(p), tokens=tokens, work=work)
 
 
 def min_group_sizes(lengths, num_devices: int, *, token_tol: float = 0.10, attn_tol: float = 0.05,
-                    causal: bool = True, max_group_size: int = 8, align: int = ALIGN) -> np.ndarray:
+                    causal: bool = True, max_group_size: int = 8) -> np.ndarray:
     """Paper A.1 minimum group size of each sequence.
 
     The smallest power of two ``g <= min(N, max_group_size)`` at which the sequence's own
-    share meets both tolerances, ``L_pad / g <= (1 + eps_T) T`` and ``a(L_pad) / g <=
-    (1 + eps_W) W`` with ``T``, ``W`` the padding-free per-device means; the largest size
-    when none does.
+    busiest member meets both tolerances, ``max_p tokens_p <= (1 + eps_T) T`` and ``max_p work_p
+    <= (1 + eps_W) W`` (:func:`member_loads`; ``T``, ``W`` the per-device means, which no
+    placement changes); the largest size when none does.
 
     Args:
       lengths: ``(S,)`` sequence lengths.
@@ -197,9 +215,9 @@ def min_group_sizes(lengths, num_devices: int, *, token_tol: float = 0.10, attn_
     done = np.zeros(lengths.shape, dtype=bool)
     g = 1
     while g <= gmax:
-        lp = padded_length(lengths, np.full(lengths.shape, g), align=align)
-        ok = ~done & (lp / g <= (1 + token_tol) * t_bar) \
-            & (attention_work(lp, causal=causal) / g <= (1 + attn_tol) * w_bar)
+        tk, wk = member_loads(lengths, g, causal=causal)
+        ok = ~done & (tk.max(axis=-1) <= (1 + token_tol) * t_bar) \
+            & (wk.max(axis=-1) <= (1 + attn_tol) * w_bar)
         out[ok] = g
         done |= ok
         g *= 2
@@ -207,10 +225,7 @@ def min_group_sizes(lengths, num_devices: int, *, token_tol: float = 0.10, attn_
 
 
 def shard_lower_bound(lengths, num_devices: int, **kwargs) -> int:
-    """``sum_i`` of :func:`min_group_sizes` (paper A.1's floor): against the padding-free means,
-    a sequence on fewer devices alone pushes one of them past a tolerance.  Not a strict lower
-    bound for :func:`imbalance`, which measures against the padded means: padding of split
-    sequences raises the means, and placements meeting both tolerances with fewer shards exist
-    (docs/results.md, placement section; ``buddyring.capsearch.size_floor`` is a valid bound).
-    Keyword arguments as there."""
+    """``sum_i`` of :func:`min_group_sizes` (paper A.1's floor): a sequence on fewer devices alone
+    pushes one of them past a tolerance, so no placement meeting both has fewer shards (the means
+    do not depend on the placement).  Keyword arguments as there."""
     return int(min_group_sizes(lengths, num_devices, **kwargs).sum())

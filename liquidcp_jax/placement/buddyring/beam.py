@@ -96,9 +96,7 @@ def place_fillers(pb: Problem, beam: BeamState, fillers) -> BeamState:
         loc = pb.local[r]
         assign[:, f] = loc
         used[np.arange(B), loc] += 1
-    seqs = np.arange(pb.S)
-    T = pb.tokvec[seqs[None], assign].sum(axis=1)  # exact sums, free of the running rounding
-    W = pb.wkvec[seqs[None], assign].sum(axis=1)
+    T, W = pb.loads(assign)  # exact sums, free of the running rounding
     return BeamState(T, W, beam.prof, beam.comm, used, assign)
 
 
@@ -139,9 +137,7 @@ def _place_fillers_scalar(pb: Problem, beam: BeamState, fillers, lam: float) -> 
             m_t, m_w = max(m_t, t[r]), max(m_w, w[r])
             row[f] = pb.local_l[r]
             used[b, pb.local_l[r]] += 1
-    seqs = np.arange(pb.S)
-    T = pb.tokvec[seqs[None], assign].sum(axis=1)
-    W = pb.wkvec[seqs[None], assign].sum(axis=1)
+    T, W = pb.loads(assign)
     return BeamState(T, W, beam.prof, beam.comm, used, assign)
 
 
@@ -151,8 +147,9 @@ def beam_step(pb: Problem, beam: BeamState, i: int, gids: np.ndarray) -> BeamSta
     ``beam_width`` by the best state of each criterion, then NSGA-II crowding distance)."""
     width, merge_bin = pb.config.beam_width, pb.config.merge_bin
     B, C = beam.T.shape[0], len(gids)
-    T = (beam.T[:, None, :] + pb.tokvec[i, gids][None]).reshape(B * C, pb.N)
-    W = (beam.W[:, None, :] + pb.wkvec[i, gids][None]).reshape(B * C, pb.N)
+    gt, gw = pb.rows(np.full(C, i), gids)
+    T = (beam.T[:, None, :] + gt[None]).reshape(B * C, pb.N)
+    W = (beam.W[:, None, :] + gw[None]).reshape(B * C, pb.N)
     prof = (beam.prof[:, None, :] + pb.pdelta[i, gids][None]).reshape(B * C, pb.P)
     comm = (beam.comm[:, None] + pb.comm[i, gids][None]).reshape(-1)
     src = np.repeat(np.arange(B), C)

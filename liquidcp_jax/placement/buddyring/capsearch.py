@@ -6,8 +6,8 @@ batches with few, long-tailed sequences (ArXiv) the placements that fit a cap su
 Megatron's shard count often need size vectors that do not follow that order (a short
 sequence on 4 devices, a longer one local); on batches of many short sequences the size
 vector at the cap is close to the A.1 minimum but its packing sits in a local minimum of
-the shard-neutral local search; and a few need a sequence *below* its A.1 minimum size
-(padding raises the means above the padding-free ones A.1 tests against; :func:`size_floor`).
+the shard-neutral local search.  (With loads that count valid tokens and pairs only, the
+means do not depend on the placement and the A.1 minimum is a true floor, :func:`size_floor`.)
 :func:`cap_search` runs, in order:
 
 1. :func:`branch_and_bound`: an exact depth-first search over (sequence, aligned group)
@@ -114,21 +114,9 @@ def pack(fx: FixedSizes, warm: np.ndarray | None, *, iters: int, kicks: int, kic
 
 def size_floor(pb: Problem) -> np.ndarray:
     """``(S,)`` smallest group size each sequence can have in any placement meeting both
-    tolerances: its per-device share must stay within ``(1 + eps)`` times the largest mean
-    any placement can have (every sequence at its largest padding).  The A.1 minimum
-    (``pb.gmin``) tests against the padding-free means instead, so a placement whose padding
-    raises the means can put a sequence on fewer devices than it (seen on 64K batches);
-    this bound is what the exact search needs."""
-    full_t = pb.tok * pb.gsize[None]
-    full_w = pb.wk * pb.gsize[None]
-    hi_t = (1 + pb.eps_t) * full_t.max(axis=1).sum() / pb.N
-    hi_w = (1 + pb.eps_w) * full_w.max(axis=1).sum() / pb.N
-    out = np.full(pb.S, pb.gmax, dtype=np.int64)
-    for g in sorted(pb.sizes, reverse=True):
-        gk = pb.gid[(0, g)]
-        fits = (pb.tok[:, gk] <= hi_t * (1 + 1e-12)) & (pb.wk[:, gk] <= hi_w * (1 + 1e-12))
-        out[fits] = g
-    return out
+    tolerances: the A.1 minimum (``pb.gmin``), a true floor now that the per-device means do not
+    depend on the placement (member loads count valid tokens and pairs only)."""
+    return pb.gmin.copy()
 
 
 def _fill(pb: Problem, size: np.ndarray, cap: int) -> np.ndarray:
@@ -303,11 +291,10 @@ def branch_and_bound(pb: Problem, cap: int, *, node_limit: int = 4000):
     relative to the bounds below.  A branch is cut when
 
     * the shards so far plus the :func:`size_floor` sizes of the rest exceed ``cap``;
-    * a device passes ``(1 + eps)`` times an upper bound of the final mean (the placed loads
-      plus the rest at their largest padding), in tokens or work;
-    * the room left under those bounds cannot hold the rest at their smallest padding, or
-      the devices' shortfall under ``(1 - eps)`` times a lower bound of the final mean is
-      more than the rest at their largest padding can fill;
+    * a device passes ``(1 + eps)`` times the final mean, in tokens or work (the bounds
+      below are the mean: a sequence's total is the same on every group);
+    * the room left under those bounds cannot hold the rest, or the devices' shortfall under
+      ``(1 - eps)`` times the final mean is more than the rest can fill;
     * the group is the right child of a parent whose two halves hold identical loads (a
       mirror image of its left sibling, tried already).
 
@@ -317,10 +304,10 @@ def branch_and_bound(pb: Problem, cap: int, *, node_limit: int = 4000):
       exists: the search finished) or ``None`` (``node_limit`` nodes visited first).
     """
     S, N = pb.S, pb.N
-    full_t = pb.tok * pb.gsize[None]  # padded length of each sequence on each group
+    full_t = pb.tok * pb.gsize[None]  # each sequence's total on each group (L, a(L): any size)
     full_w = pb.wk * pb.gsize[None]
     order = np.lexsort((np.arange(S), -full_w[:, pb.local[0]])).tolist()
-    # Padded totals per size (start 0: padding does not depend on the start), rows in order.
+    # Totals per size (the same for every size and start), rows in order.
     sizes = np.asarray(pb.sizes, dtype=np.int64)
     at = [pb.gid[(0, int(g))] for g in sizes]
     ft = full_t[order][:, at]
@@ -334,8 +321,8 @@ def branch_and_bound(pb: Problem, cap: int, *, node_limit: int = 4000):
         suf_g[k] = suf_g[k + 1] + gmin_o[k]
 
     def rest_bounds(k, room):
-        """Tokens and work of sequences ``k..``: largest (any size the shard room allows)
-        and smallest (their :func:`size_floor`) padded totals."""
+        """Tokens and work of sequences ``k..`` on the largest (any size the shard room
+        allows) and the smallest (their :func:`size_floor`) groups."""
         g_hi = np.minimum(gmin_o[k:] + room, pb.gmax)
         hi_idx = np.searchsorted(sizes, g_hi, side="right") - 1
         r = rows[k:]
@@ -394,8 +381,11 @@ def branch_and_bound(pb: Problem, cap: int, *, node_limit: int = 4000):
                 dup[blk] = sig in seen_b
                 seen_b.add(sig)
             ok &= ~dup[gstart // h]
-        pt = (np.where(gmask, T[None], -np.inf).max(axis=1) + pb.tok[i]) / hi_t
-        pw = (np.where(gmask, W[None], -np.inf).max(axis=1) + pb.wk[i]) / hi_w
+        # The busiest member after placing i on each legal group (gid order: sizes, starts).
+        pt = np.concatenate([(T.reshape(-1, g) + pb.mtok[g][i]).max(axis=1)
+                             for g in pb.sizes]) / hi_t
+        pw = np.concatenate([(W.reshape(-1, g) + pb.mwork[g][i]).max(axis=1)
+                             for g in pb.sizes]) / hi_w
         ok &= (pt <= 1 + 1e-12) & (pw <= 1 + 1e-12)
         peak = np.maximum(pt, pw)
         cands = [(peak[gk], pb.gsize_l[gk], gk) for gk in np.nonzero(ok)[0].tolist()
@@ -403,12 +393,12 @@ def branch_and_bound(pb: Problem, cap: int, *, node_limit: int = 4000):
         cands.sort()
         for _, g, gk in cands:
             s = pb.gstart_l[gk]
-            T[s:s + g] += pb.tok[i, gk]
-            W[s:s + g] += pb.wk[i, gk]
+            T[s:s + g] += pb.mtok[g][i]
+            W[s:s + g] += pb.mwork[g][i]
             assign[i] = gk
             r = rec(k + 1, shards + g, tp + full_t[i, gk], wp + full_w[i, gk])
-            T[s:s + g] -= pb.tok[i, gk]
-            W[s:s + g] -= pb.wk[i, gk]
+            T[s:s + g] -= pb.mtok[g][i]
+            W[s:s + g] -= pb.mwork[g][i]
             if r is not False:
                 return r
         return False

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from liquidcp_jax.placement.metrics import ALIGN, LENGTH_CUTOFFS
+from liquidcp_jax.placement.metrics import LENGTH_CUTOFFS
 from liquidcp_jax.placement.types import is_pow2
 
 
@@ -31,10 +31,10 @@ class BuddyRingConfig:
       seqs_per_gpu: highest-``kappa`` sequences per marked GPU that repair considers (4).
       length_cutoffs: splitting-profile length classes, in tokens (2K, 4K, 8K, 16K).
 
-    The placement model:
-      causal: attention work ``L (L + 1) / 2`` (causal) or ``L**2``.
+    The placement model (what the executors run: valid tokens and valid (query, key) pairs of
+    each group member, :func:`liquidcp_jax.placement.metrics.member_loads`):
+      causal: causal pairs (``L (L + 1) / 2`` per sequence) or all pairs (``L**2``).
       max_group_size: largest group size tried (``min(N, max_group_size)`` is used).
-      align: zigzag chunk alignment in tokens; a split sequence pads to ``2 g align``.
       max_tokens_per_device: optional per-device token budget; a sequence over it even on the
         widest group raises ``ValueError``.
 
@@ -73,7 +73,6 @@ class BuddyRingConfig:
     length_cutoffs: tuple[int, ...] = LENGTH_CUTOFFS
     causal: bool = True
     max_group_size: int = 8
-    align: int = ALIGN
     max_tokens_per_device: int | None = None
     balance_sum: bool = True
     min_shards: bool = True
@@ -95,8 +94,6 @@ class BuddyRingConfig:
         if not is_pow2(int(self.max_group_size)):
             raise ValueError(
                 f"max_group_size must be a power of two >= 1, got {self.max_group_size}")
-        if int(self.align) < 1:
-            raise ValueError(f"align must be an int >= 1 tokens, got {self.align}")
         cap = self.max_shards
         if isinstance(cap, str):
             if cap != "megatron":
@@ -113,7 +110,7 @@ class BuddyRingConfig:
         # Stored as the types the search computes with (the search reads them as they are).
         norm = dict(token_tol=float(self.token_tol), attn_tol=float(self.attn_tol),
                     merge_bin=float(self.merge_bin), smax_lambda=float(self.smax_lambda),
-                    length_cutoffs=cutoffs, align=int(self.align),
+                    length_cutoffs=cutoffs,
                     max_group_size=int(self.max_group_size),
                     max_shards=cap if cap is None or isinstance(cap, str) else int(cap))
         norm.update({name: int(getattr(self, name)) for name in (

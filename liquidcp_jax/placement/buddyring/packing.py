@@ -1,9 +1,11 @@
 """Packing with fixed group sizes (BuddyRing's min-shard candidates and cap search): per-device
 loads in tolerance units, a greedy packing and a shard-neutral local search.
 
-Loads are those of :class:`~.problem.Problem` (``pb``: padded lengths, tolerances, legal
+Loads are those of :class:`~.problem.Problem` (``pb``: exact member loads, tolerances, legal
 groups), kept per device in tolerance units by :class:`FixedSizes`; a packing is an ``(S,)``
-array of group starts for the sizes.  Deterministic: there is no randomness and every limit is
+array of group starts for the sizes.  :meth:`FixedSizes.loads` is exact; moves are scored with
+each member's mean share (members of a group differ by at most one token), and every score that
+decides feasibility is recomputed exactly.  Deterministic: there is no randomness and every limit is
 a step count.
 """
 from __future__ import annotations
@@ -35,18 +37,25 @@ class FixedSizes:
         self.st = 1.0 / (eps_t * mt) if mt > 0 else 0.0
         self.sw = 1.0 / (eps_w * mw) if mw > 0 else 0.0
         self.mt, self.mw = mt, mw
-        self.nt = self.t * self.st  # normalised per-device shares
+        self.nt = self.t * self.st  # normalised mean per-device shares
         self.nw = self.w * self.sw
+        # Exact normalised member loads, (S, gmax) (zero past each sequence's size).
+        gm = int(self.size.max()) if pb.S else 1
+        self._mt = np.zeros((pb.S, gm))
+        self._mw = np.zeros((pb.S, gm))
+        for g in np.unique(self.size).tolist():
+            sel = np.nonzero(self.size == g)[0]
+            self._mt[sel, :g] = pb.mtok[g][sel] * self.st
+            self._mw[sel, :g] = pb.mwork[g][sel] * self.sw
+        self._p = np.arange(gm)
 
     def loads(self, start: np.ndarray):
-        """``(x, y)``: ``(N,)`` normalised deviations for the given starts."""
+        """``(x, y)``: ``(N,)`` normalised deviations for the given starts (exact member loads)."""
         n = self.pb.N
-        dt, dw = np.zeros(n + 1), np.zeros(n + 1)
-        np.add.at(dt, start, self.nt)
-        np.add.at(dt, start + self.size, -self.nt)
-        np.add.at(dw, start, self.nw)
-        np.add.at(dw, start + self.size, -self.nw)
-        return np.cumsum(dt)[:-1] - self.mt * self.st, np.cumsum(dw)[:-1] - self.mw * self.sw
+        dev = np.minimum(np.asarray(start)[:, None] + self._p[None], n - 1)
+        t = np.bincount(dev.ravel(), self._mt.ravel(), minlength=n)
+        w = np.bincount(dev.ravel(), self._mw.ravel(), minlength=n)
+        return t - self.mt * self.st, w - self.mw * self.sw
 
 
 def score(x: np.ndarray, y: np.ndarray):

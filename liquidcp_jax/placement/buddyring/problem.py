@@ -13,17 +13,17 @@ lexicographically, smaller first:
 
 with the additions of :class:`~.config.BuddyRingConfig` (``balance_sum``: ``D_T + D_W`` between
 4 and 5; ``rank_shards``: the shard count right after ``V``; ``max_shards``: the shards above the
-cap right after ``V``, in the final choice only).  Loads count what the executor runs: a split
-sequence is padded to a multiple of ``2 g align`` tokens (``metrics.padded_length``) and the
-padding counts as tokens and work.
+cap right after ``V``, in the final choice only).  Loads count what the executor runs: each
+member's valid tokens and valid (query, key) pairs (``metrics.member_loads``); the per-device
+means do not depend on the placement.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from liquidcp_jax.placement.buddyring.config import BuddyRingConfig
-from liquidcp_jax.placement.metrics import (attention_work, length_class, min_group_sizes,
-                                           padded_length)
+from liquidcp_jax.placement.metrics import (attention_work, length_class, member_loads,
+                                           min_group_sizes)
 
 KEY_DECIMALS = 12  # decimals kept when floats enter a lexicographic key (absorbs summation noise)
 
@@ -43,7 +43,7 @@ class Problem:
         # The cap column joins the key only for the final choice (set after the stages), so
         # the stages and their repair run exactly as without a cap.
         self.cap_active = False
-        causal, align, cutoffs = config.causal, config.align, config.length_cutoffs
+        causal, cutoffs = config.causal, config.length_cutoffs
         self.L = np.asarray(lengths, dtype=np.int64)
         self.S = len(lengths)
         self.N = n
@@ -63,12 +63,15 @@ class Problem:
             self.gmask[k, s:s + g] = 1.0
         self.multi = self.gsize > 1
         self.gid = {(s, g): k for k, (s, g) in enumerate(zip(starts, gsz))}
-        lp = padded_length(self.L[:, None], self.gsize[None, :], align=align)  # (S, G)
-        self.tok = lp / self.gsize[None, :]
-        self.wk = attention_work(lp, causal=causal) / self.gsize[None, :]
-        self.tokvec = self.tok[:, :, None] * self.gmask[None]  # (S, G, N)
-        self.wkvec = self.wk[:, :, None] * self.gmask[None]
-        self.comm = lp * (self.gsize[None, :] - 1) / self.gsize[None, :]
+        # Exact loads of each member (metrics.member_loads): mtok[g] / mwork[g] are (S, g).
+        self.mtok, self.mwork = {}, {}
+        for g in self.sizes:
+            self.mtok[g], self.mwork[g] = member_loads(self.L, g, causal=causal)
+        # Mean per-member shares (S, G) (the packing heuristics' loads) and the busiest member's.
+        self.tok = self.L[:, None] / self.gsize[None, :]
+        self.wk = attention_work(self.L, causal=causal)[:, None] / self.gsize[None, :]
+        self.tok_max = np.stack([self.mtok[int(g)].max(axis=1) for g in self.gsize], axis=1)
+        self.comm = self.L[:, None] * (self.gsize[None, :] - 1) / self.gsize[None, :]
         self.cls = length_class(self.L, cutoffs)
         ncls = len(cutoffs) + 1
         self.P = 2 * ncls
@@ -77,7 +80,7 @@ class Problem:
         rows = np.arange(self.S)
         self.pdelta[rows, :, 2 * self.cls] = (depth > 0)[None, :]
         self.pdelta[rows, :, 2 * self.cls + 1] = depth[None, :]
-        # Targets use unpadded totals: padding depends on the placement being built.
+        # The means: every member split keeps the totals L and a(L).
         self.Tbar = float(self.L.sum()) / n
         self.Wbar = float(attention_work(self.L, causal=causal).sum()) / n
         self.kappa = np.maximum(self.L / self.Tbar,
@@ -92,7 +95,41 @@ class Problem:
         # A.1: smallest size meeting both tolerances on its own, else the largest size.
         self.gmin = min_group_sizes(self.L, n, token_tol=config.token_tol,
                                     attn_tol=config.attn_tol, causal=causal,
-                                    max_group_size=self.gmax, align=align)
+                                    max_group_size=self.gmax)
+
+    def rows(self, seqs, gids):
+        """Per-device loads of sequences ``seqs`` placed on groups ``gids`` (``(M,)`` each):
+        ``(T, W)``, float64 ``(M, N)``."""
+        seqs, gids = np.asarray(seqs, dtype=np.int64), np.asarray(gids, dtype=np.int64)
+        T = np.zeros((len(seqs), self.N))
+        W = np.zeros((len(seqs), self.N))
+        gs = self.gsize[gids]
+        for g in self.sizes:
+            idx = np.nonzero(gs == g)[0]
+            if idx.size:
+                cols = self.gstart[gids[idx]][:, None] + np.arange(g)[None]
+                T[idx[:, None], cols] = self.mtok[g][seqs[idx]]
+                W[idx[:, None], cols] = self.mwork[g][seqs[idx]]
+        return T, W
+
+    def loads(self, assign):
+        """Per-device loads of complete placements ``assign`` (``(S,)`` or ``(B, S)`` group ids):
+        ``(T, W)``, float64 ``(N,)`` or ``(B, N)``."""
+        a = np.asarray(assign, dtype=np.int64)
+        one = a.ndim == 1
+        a = a.reshape(-1, self.S)
+        B, N = a.shape[0], self.N
+        T = np.zeros(B * N)
+        W = np.zeros(B * N)
+        gs = self.gsize[a]
+        for g in self.sizes:
+            b, i = np.nonzero(gs == g)
+            if b.size:
+                dev = (b * N + self.gstart[a[b, i]])[:, None] + np.arange(g)[None]
+                T += np.bincount(dev.ravel(), self.mtok[g][i].ravel(), minlength=B * N)
+                W += np.bincount(dev.ravel(), self.mwork[g][i].ravel(), minlength=B * N)
+        T, W = T.reshape(B, N), W.reshape(B, N)
+        return (T[0], W[0]) if one else (T, W)
 
     def allowed_gids(self, lo: int, hi: int) -> np.ndarray:
         return np.nonzero((self.gsize >= lo) & (self.gsize <= hi))[0]
@@ -128,8 +165,8 @@ class Problem:
         """The ranking key of one placement ``assign`` (``(S,)`` group ids), as a tuple."""
         seqs = np.arange(self.S)
         counts = np.bincount(assign, minlength=self.G)
-        return tuple(self.keys(self.tokvec[seqs, assign].sum(0)[None],
-                               self.wkvec[seqs, assign].sum(0)[None],
+        T, W = self.loads(assign)
+        return tuple(self.keys(T[None], W[None],
                                self.pdelta[seqs, assign].sum(0)[None],
                                np.asarray([self.comm[seqs, assign].sum()]),
                                np.asarray([((counts > 0) & self.multi).sum()]),

@@ -25,8 +25,7 @@ def repair(pb: Problem, assign: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> n
     gsize, gstart, local, gid = pb.gsize_l, pb.gstart_l, pb.local_l, pb.gid
     lo_l, hi_l = lo.tolist(), hi.tolist()
     for _ in range(iters):
-        T = pb.tokvec[seqs, assign].sum(axis=0)
-        W = pb.wkvec[seqs, assign].sum(axis=0)
+        T, W = pb.loads(assign)
         prof = pb.pdelta[seqs, assign].sum(axis=0)
         comm = pb.comm[seqs, assign].sum()
         counts = np.bincount(assign, minlength=pb.G)
@@ -100,8 +99,10 @@ def repair(pb: Problem, assign: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> n
         dP = np.zeros((M, pb.P), dtype=np.int64)
         dC = np.zeros(M)
         dG = np.zeros((M, pb.G), dtype=np.int64)
-        np.add.at(dT, midx, pb.tokvec[ms, mnew] - pb.tokvec[ms, mold])
-        np.add.at(dW, midx, pb.wkvec[ms, mnew] - pb.wkvec[ms, mold])
+        t_new, w_new = pb.rows(ms, mnew)
+        t_old, w_old = pb.rows(ms, mold)
+        np.add.at(dT, midx, t_new - t_old)
+        np.add.at(dW, midx, w_new - w_old)
         np.add.at(dP, midx, pb.pdelta[ms, mnew] - pb.pdelta[ms, mold])
         np.add.at(dC, midx, pb.comm[ms, mnew] - pb.comm[ms, mold])
         np.add.at(dG, (midx, mnew), 1)

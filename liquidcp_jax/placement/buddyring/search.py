@@ -73,11 +73,11 @@ def buddyring_search(lengths: Sequence[int], num_devices: int,
     pb = Problem(lengths, n, config, max_shards=max_shards)
     if config.max_tokens_per_device is not None:
         widest = pb.gid[(0, pb.gmax)]
-        over = np.nonzero(pb.tok[:, widest] > config.max_tokens_per_device)[0]
+        over = np.nonzero(pb.tok_max[:, widest] > config.max_tokens_per_device)[0]
         if over.size:
             i = int(over[0])
             raise ValueError(
-                f"lengths[{i}] = {lengths[i]} needs {pb.tok[i, widest]:.0f} tokens per device even "
+                f"lengths[{i}] = {lengths[i]} needs {pb.tok_max[i, widest]:.0f} tokens per device even "
                 f"on a group of {pb.gmax}; expected at most max_tokens_per_device="
                 f"{config.max_tokens_per_device}")
     best = None
