@@ -29,7 +29,7 @@ from benchmarks import attention as A
 from benchmarks import harness as H
 from liquidcp_jax import placement as placement_lib, state as state_lib
 from liquidcp_jax.megaring.layout import build_layout
-from liquidcp_jax.megaring.ring_segments import build_ring_segments, receive_parts
+from liquidcp_jax.megaring.ring_segments import build_ring_segments, step_key_rows
 from liquidcp_jax.pallas import api
 from liquidcp_jax.pallas.tables import Segments
 
@@ -62,7 +62,9 @@ def bench(ds, tokens, n_dev, reps, B=128):
     lens = A.batch_lengths(ds, tokens)
     pl = placement_lib.buddyring(lens, num_devices=n_dev)
     lay = build_layout(lens, pl.starts, pl.sizes, n_dev, B)
-    rs = build_ring_segments(lay, pl.starts, pl.sizes, lens, causal=True)
+    S = int(pl.sizes.max())
+    send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, S))
+    rs = build_ring_segments(lay, S, causal=True)
     T = int(lens.sum())
     key = jax.random.split(jax.random.key(0), 4)
     r = lambda k, h: jax.random.normal(k, (T, h, D), jnp.bfloat16)
@@ -76,10 +78,8 @@ def bench(ds, tokens, n_dev, reps, B=128):
     fwd, fwdbwd = make_fns(S)
     per = []
     for d in range(N):
-        # The executor's full key buffers (stale sections included): one kernel shape per kind.
-        rows = [np.concatenate([r for _, _, r in receive_parts(lay.section_sizes, lay.section_tiles,
-                                                                B, d, t, include_stale=True)])
-                for t in range(S)]
+        # The executor's full key buffers (stale rows included): one kernel shape per kind.
+        rows = [step_key_rows(N, C, B, send, d, t) for t in range(S)]
         ks = tuple(kc[jnp.asarray(x)] for x in rows)
         vs = tuple(vc[jnp.asarray(x)] for x in rows)
         segs = tuple(Segments(*(jnp.asarray(a[d, t]) for a in rs[:6]),

@@ -142,10 +142,18 @@ def run(args) -> int:
               f"{' '.join(here)[:40]:<40}")
     tok, work = loads["tokens"].astype(float), loads["attention"].astype(float)
     pdt, pdw = placement_lib.imbalance(pl)
-    print(f"  executed (valid tokens / valid causal pairs): D_T = {np.max(np.abs(tok / tok.mean() - 1)) * 100:.2f} %"
+    # Both count what executes: valid tokens and valid causal (query, key) pairs of each device's
+    # queries (the layout splits a sequence into 2g chunks of equal valid lengths and packs rows,
+    # so padding neither counts nor unbalances); the first from the plan's layout, the second from
+    # the placement before any layout (placement.metrics.member_loads).
+    print(f"  executed (valid tokens / valid causal pairs, from the plan's layout): "
+          f"D_T = {np.max(np.abs(tok / tok.mean() - 1)) * 100:.2f} %"
           f"   D_W = {np.max(np.abs(work / work.mean() - 1)) * 100:.2f} %")
-    print(f"  placement model ({pl.name or 'placement'}, padding to 2g*128 counted): D_T = {pdt * 100:.2f} %"
+    print(f"  placement model ({pl.name or 'placement'}, the same count per member): D_T = {pdt * 100:.2f} %"
           f"   D_W = {pdw * 100:.2f} %")
+    rows = plan.static.local_capacity
+    print(f"  layout: {rows} rows per device for {T / n:.0f} tokens per device on average: "
+          f"{rows * n / T:.3f} rows per real token")
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     print(f"\n  relative error vs float64 reference ({what}; check {t_check:.1f} s):\n    " +
           "  ".join(f"{k_}={e:.2e}" for k_, e in errs.items()) + f"   (threshold {tol:g})")

@@ -20,13 +20,19 @@ def test_same_bucket_compiles_once(mesh8, rng):
         return jnp.sum(plan.unshard(o) ** 2)
 
     batches = [[100, 28, 300], [250, 170, 8], [428]]   # same T = 428, different lengths
-    p0 = lcp.plan_megaring(batches[0], mesh8, placement="all_cp", tile_size=16)
+    cap = lcp.megaring.capacity_for(428, mesh8, tile_size=16)
     q, k, v = random_qkv(rng, 428, 2, 1, 16)
     for lengths in batches:
-        plan = lcp.plan_megaring(lengths, mesh8, placement="all_cp", tile_size=16, capacity=p0.capacity)
-        assert plan.capacity == p0.capacity
+        plan = lcp.plan_megaring(lengths, mesh8, placement="all_cp", capacity=cap)
+        assert plan.capacity == cap
         assert np.isfinite(float(step(q, k, v, plan)))
     assert len(traces) == 1
+    # a plan's own capacity pins exactly: a batch that needs more raises, naming the field
+    p0 = lcp.plan_megaring(batches[0], mesh8, placement="all_cp", tile_size=16)
+    with pytest.raises(ValueError, match="capacity"):
+        lcp.plan_megaring([428], mesh8, placement="all_cp", capacity=p0.capacity)
+    with pytest.raises(ValueError, match="MegaRingCapacity"):
+        lcp.plan_megaring([428], mesh8, placement="all_cp", capacity={"sections": {8: 4}})
 
 
 def test_natural_buckets_are_shared(mesh8):
@@ -43,7 +49,7 @@ def test_bad_lengths(mesh8):
     with pytest.raises(ValueError, match="non-empty"):
         lcp.plan_megaring([], mesh8, placement="all_cp")
     plan = lcp.plan_megaring([10, 6], mesh8, placement="all_cp", tile_size=8)
-    with pytest.raises(ValueError, match=r"T=16"):
+    with pytest.raises(ValueError, match=r"num_tokens=16"):
         plan.shard(jnp.zeros((15, 2, 8)))
 
 

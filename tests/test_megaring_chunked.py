@@ -43,9 +43,9 @@ def test_chunked_executor_matches_reference(mesh8, rng):
                                  task_tiles=M, memory_budget=budget)
         spec = plan.static.exec_spec(1.0)
         cap = plan.capacity
-        c_fwd = spec.chunk(xla_exec.fwd_task_bytes(B, M, hq, hkv, d, 4), cap["fwd_tasks"])
-        c_bwd = spec.chunk(xla_exec.bwd_pair_bytes(B, hq, hkv, d, 4), cap["bwd_pairs"])
-        assert c_fwd * 4 <= cap["fwd_tasks"] and c_bwd * 4 <= cap["bwd_pairs"]   # really chunked
+        c_fwd = spec.chunk(xla_exec.fwd_task_bytes(B, M, hq, hkv, d, 4), cap.fwd_tasks)
+        c_bwd = spec.chunk(xla_exec.bwd_pair_bytes(B, hq, hkv, d, 4), cap.bwd_pairs)
+        assert c_fwd * 4 <= cap.fwd_tasks and c_bwd * 4 <= cap.bwd_pairs   # really chunked
         out, grads = _fwd_bwd(plan, causal, q, k, v, do)
         assert ref.rel_error(out, ro) < 1e-5
         for name, g, r in zip("qkv", grads, rg):
@@ -67,7 +67,7 @@ def test_peak_memory_is_bounded_by_the_budget():
     fwd = jax.jit(lambda q, k, v, p: lcp.megaring_attention(q, k, v, p))
     grad = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(lcp.megaring_attention(q, k, v, p)), argnums=(0, 1, 2)))
     state_bytes = T * hq * d * 4
-    whole_step_scores = plan.capacity["fwd_tasks"] * hq * 64 * 8 * 64 * 4
+    whole_step_scores = plan.capacity.fwd_tasks * hq * 64 * 8 * 64 * 4
     assert whole_step_scores >= 2 ** 28
     for f in (fwd, grad):
         temp = f.lower(sq, skv, skv, plan).compile().memory_analysis().temp_size_in_bytes
@@ -128,11 +128,9 @@ def test_gradient_step_traces_once_per_bucket(mesh8, rng):
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     batches = [[100, 28, 300], [250, 170, 8], [1, 427]]   # same T, different lengths and groups
-    sections = {1: 32, 2: 32, 4: 32, 8: 32}
-    caps = [lcp.plan_megaring(b, mesh8, placement="buddyring", tile_size=16, capacity={"sections": sections}
-                              ).capacity for b in batches]
-    cap = {"sections": sections, "fwd_tasks": max(c["fwd_tasks"] for c in caps),
-           "bwd_pairs": max(c["bwd_pairs"] for c in caps), "segments": max(c["segments"] for c in caps)}
+    # fitted to the batches' own plans (sends only what they need), every size pinned
+    cap = lcp.megaring.MegaRingCapacity.fit(
+        [lcp.plan_megaring(b, mesh8, placement="buddyring", tile_size=16) for b in batches])
     q, k, v = random_qkv(rng, 428, 2, 1, 16)
     w = rng.standard_normal(q.shape).astype(np.float32)
     statics = set()

@@ -65,12 +65,12 @@ def test_megaring_pallas_backend_gpu(rng):
 
 def test_one_step_configs_count_tokens_not_capacity_rows():
     """The one-step path picks the persistent forward by the plan's tokens per segment slot, as
-    the rule was measured, not by its layout rows (a power-of-two bucket, up to 2x the tokens); the
-    backward keeps fused=None, chosen on the device from the actual segment lengths."""
+    the rule was measured, not by its layout rows (a capacity bucket, up to 6.25 % above the
+    tokens); the backward keeps fused=None, chosen on the device from the actual segment lengths."""
     mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-    # 9 sequences, 131076 tokens: 262144 rows in 16 slots (16384 per slot: the plain forward) but
-    # 8192 tokens per slot: persistent.
-    p = lcp.plan_megaring([14564] * 9, mesh, placement="all_cp")
+    # 9 sequences, 252000 tokens: 262144 rows in 16 slots (16384 per slot: the plain forward) but
+    # 15750 tokens per slot: persistent.
+    p = lcp.plan_megaring([28000] * 9, mesh, placement="all_cp")
     rows, slots = p.static.local_capacity, p.local_segments.capacity
     assert (rows, slots) == (262144, 16)
     fwd, bwd = megaring.one_step_configs(p)

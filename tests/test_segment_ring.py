@@ -11,7 +11,7 @@ import liquidcp_jax as lcp
 from liquidcp_jax import megaring, placement as placement_lib
 from liquidcp_jax import reference as ref
 from liquidcp_jax.megaring.layout import build_layout
-from liquidcp_jax.megaring.ring_segments import build_ring_segments, coverage, receive_parts, step_segment
+from liquidcp_jax.megaring.ring_segments import build_ring_segments, coverage, step_key_rows, step_segment
 
 from _cases import mixed_placement, random_qkv
 
@@ -28,16 +28,23 @@ def _placements(rng, n_dev=8):
             yield lengths, mixed_placement(lengths, n_dev, seed=trial)
 
 
+def _layout(lengths, pl, tile):
+    lay = build_layout(lengths, pl.starts, pl.sizes, pl.num_devices, tile)
+    steps = int(pl.sizes.max())
+    send = tuple(int(-(-lay.prefix_rows[t].max() // tile)) for t in range(1, steps))
+    return lay, steps, send
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_segments_cover_every_pair_once(rng, causal):
     """Over all devices and steps, every valid (query, key) pair of every sequence is computed
     exactly once, and no step's segments overlap in queries or in keys (the backward's dK / dV
-    tasks of one call must not write the same rows)."""
+    tasks of one call must not write the same rows); keys of step t lie in what it receives."""
     for lengths, pl in _placements(rng):
         for tile in (8, 64):
-            lay = build_layout(lengths, pl.starts, pl.sizes, 8, tile)
-            rs = build_ring_segments(lay, pl.starts, pl.sizes, lengths, causal=causal)
-            cnt = coverage(rs, lay, pl.starts, pl.sizes, lengths, causal=causal)
+            lay, steps, send = _layout(lengths, pl, tile)
+            rs = build_ring_segments(lay, steps, causal=causal)
+            cnt = coverage(rs, lay, send, causal=causal)
             for i, L in enumerate(lengths):
                 want = np.tril(np.ones((L, L), int)) if causal else np.ones((L, L), int)
                 np.testing.assert_array_equal(cnt[i], want)
@@ -46,28 +53,36 @@ def test_ring_segments_cover_every_pair_once(rng, causal):
                 for t in range(S):
                     n = rs.count[d, t]
                     assert (rs.q_len[d, t, n:] == 0).all() and (rs.kv_len[d, t, n:] == 0).all()
+                    if t:
+                        assert (rs.kv_start[d, t, :n] + rs.kv_len[d, t, :n] <= send[t - 1] * tile).all()
                     for start, ln in ((rs.q_start, rs.q_len), (rs.kv_start, rs.kv_len)):
-                        used = np.zeros(lay.tile_seq.shape[1] * tile, int)
+                        used = np.zeros(lay.capacity, int)
                         for j in range(n):
                             used[start[d, t, j]:start[d, t, j] + ln[d, t, j]] += 1
                         assert used.max() <= 1
 
 
 def test_step_segment_zigzag_balance():
-    """Zigzag's promise, per step: every member of a group computes the same number of (query,
-    key) pairs when the sequence fills its chunks (2 g c tokens)."""
+    """Zigzag's promise over the steps: every member of a group computes the same number of
+    (query, key) pairs when the chunks are equal (L = 2 g c), and within one token's keys
+    (L pairs) otherwise."""
+    from liquidcp_jax.placement.metrics import zigzag_chunk_lengths
     for g in (2, 4, 8):
-        c = 16
-        L = 2 * g * c
-        for t in range(g):
+        for L in (2 * g * 16, 2 * g * 16 + 1, 2 * g * 16 + g + 1, 2 * g * 16 + 2 * g - 1):
+            n = zigzag_chunk_lengths(L, g)
             work = []
             for p in range(g):
-                seg = step_segment(p, t, g, L, c, causal=True)
-                ql, kl, qp, kp = seg[1], seg[3], seg[4], seg[5]
-                qpos = qp + np.arange(ql)[:, None]
-                kpos = kp + np.arange(kl)[None, :]
-                work.append(int((kpos <= qpos).sum()))
-            assert len(set(work)) == 1, (g, t, work)
+                total = 0
+                for t in range(g):
+                    j = p ^ t
+                    seg = step_segment(p, j, t, (n[p], n[2 * g - 1 - p]), (n[j], n[2 * g - 1 - j]),
+                                       causal=True)
+                    ql, kl, qp, kp = seg[1], seg[3], seg[4], seg[5]
+                    qpos = qp + np.arange(ql)[:, None]
+                    kpos = kp + np.arange(kl)[None, :]
+                    total += int((kpos <= qpos).sum())
+                work.append(total)
+            assert max(work) - min(work) <= (0 if L % (2 * g) == 0 else L), (g, L, work)
 
 
 def test_ring_segments_same_bucket_compiles_once(mesh8, rng):
@@ -89,16 +104,11 @@ def test_ring_segments_same_bucket_compiles_once(mesh8, rng):
 
     batches = [[100, 28, 291, 9], [250, 170, 8], [428]]
     plans = [lcp.plan_megaring(b, mesh8, placement=mixed_placement(b), tile_size=16) for b in batches]
-    cap = {key: max(p.capacity[key] for p in plans) for key in ("fwd_tasks", "bwd_pairs", "segments")}
-    cap["sections"] = {}
-    for p in plans:
-        for g, n in p.capacity["sections"].items():
-            cap["sections"][g] = max(cap["sections"].get(g, 0), n)
+    cap = lcp.megaring.MegaRingCapacity.fit(plans)
     q, k, v = random_qkv(rng, 428, 2, 1, 16)
     shapes = None
     for lengths in batches:
-        plan = lcp.plan_megaring(lengths, mesh8, placement=mixed_placement(lengths), tile_size=16,
-                                 capacity=cap)
+        plan = lcp.plan_megaring(lengths, mesh8, placement=mixed_placement(lengths), capacity=cap)
         leaf_shapes = [np.shape(x) for x in jax.tree.leaves(plan)]
         assert shapes is None or leaf_shapes == shapes
         shapes = leaf_shapes
@@ -267,23 +277,24 @@ def test_segment_ring_bad_input(mesh8, rng):
 
 def _emulated_ring(plan, q, k, v, do, attend, attend_bwd):
     """The segment ring on the host, one call per (device, step): device ``d`` at step ``t``
-    holds, per section ``g > t``, the section of member ``(p - t) mod g`` of its group (what the
-    ppermutes deliver, ``ring_segments.receive_parts``). Returns (out, dq, dk, dv) in the CP
-    layout, float64."""
+    holds the first ``send_tiles[t - 1]`` tiles of partner ``d ^ t`` and then its own later rows
+    (what the ppermutes deliver, ``ring_segments.step_key_rows``). Returns (out, dq, dk, dv) in
+    the CP layout, float64."""
     from liquidcp_jax import state as state_lib
     from liquidcp_jax.pallas.tables import Segments
     st = plan.static
     C = st.local_capacity
+    N = st.num_devices
+    send = st.send_tiles
     rs = plan.ring_segments
     loc = lambda x, d: x[d * C:(d + 1) * C]
-    # Full buffers, as the executor's (stale sections included): one shape for every step.
-    parts = lambda d, t: receive_parts(st.section_sizes, st.section_tiles, st.tile_size, d, t,
-                                       include_stale=True)
-    gather = lambda x, d, t: x[jnp.asarray(np.concatenate([r for _, _, r in parts(d, t)]))]
+    # Full buffers, as the executor's (stale rows included): one shape for every step.
+    rows = lambda d, t: step_key_rows(N, C, st.tile_size, send, d, t)
+    gather = lambda x, d, t: x[jnp.asarray(rows(d, t))]
     seg = lambda d, t: Segments(*(a[d, t] for a in rs[:6]), rs.count[d, t])
-    steps = int(max(st.section_sizes))
+    steps = len(send) + 1
     outs, lses = [], []
-    for d in range(st.num_devices):
+    for d in range(N):
         acc = state_lib.empty((C, q.shape[1]), q.shape[2])
         for t in range(steps):
             acc = state_lib.merge(acc, attend(loc(q, d), gather(k, d, t), gather(v, d, t), seg(d, t)))
@@ -293,19 +304,17 @@ def _emulated_ring(plan, q, k, v, do, attend, attend_bwd):
     dq = np.zeros(q.shape, np.float64)
     dk = np.zeros(k.shape, np.float64)
     dv = np.zeros(v.shape, np.float64)
-    for d in range(st.num_devices):
+    for d in range(N):
         for t in range(steps):
             gq, gk, gv = attend_bwd(loc(q, d), gather(k, d, t), gather(v, d, t), loc(out, d),
                                     loc(lse, d), loc(do, d), seg(d, t))
             dq[d * C:(d + 1) * C] += np.asarray(gq, np.float64)
-            o = 0
-            for _, src, rows in parts(d, t):
-                if src is not None:      # back to the owners of the keys; stale rows get nothing
-                    dk[rows] += np.asarray(gk[o:o + rows.size], np.float64)
-                    dv[rows] += np.asarray(gv[o:o + rows.size], np.float64)
-                else:
-                    assert not np.asarray(gk[o:o + rows.size]).any()
-                o += rows.size
+            r = rows(d, t)
+            n = C if t == 0 else send[t - 1] * st.tile_size
+            # back to the owners of the keys; stale rows get nothing
+            dk[r[:n]] += np.asarray(gk[:n], np.float64)
+            dv[r[:n]] += np.asarray(gv[:n], np.float64)
+            assert not np.asarray(gk[n:]).any()
     return np.asarray(out.astype(jnp.float32), np.float64), dq, dk, dv
 
 
@@ -333,7 +342,7 @@ def test_emulated_ring_pallas_interpret(rng):
     pl = placement_lib.Placement(tuple(lengths), 2, (placement_lib.Group(0, 2), placement_lib.Group(1, 1),
                                                placement_lib.Group(0, 1)))
     # Host-side plan: the interpreter runs on one device (plan.shard would spread rows over two).
-    plan = _host_plan(lengths, pl, build_layout(lengths, pl.starts, pl.sizes, 2, 64))
+    plan = _host_plan(lengths, pl, 64)
     cfg = bwd.BwdTuningConfig(fused=False)
     attend = jax.jit(lambda q, k, v, s: api.segment_attention(q, k, v, s, causal=True, sm_scale=0.1,
                                                               interpret=True))
@@ -347,7 +356,7 @@ def test_emulated_ring_xla_eight_devices(rng):
     sizes 1-8), with the XLA twin of the kernels: it must reproduce the float64 reference too."""
     lengths = [300, 17, 129, 1, 64, 250, 90, 33]
     pl = mixed_placement(lengths)
-    plan = _host_plan(lengths, pl, build_layout(lengths, pl.starts, pl.sizes, 8, 16))
+    plan = _host_plan(lengths, pl, 16)
     attend = jax.jit(lambda q, k, v, s: ref.xla_segment_attention(q, k, v, s, causal=True, sm_scale=0.1))
     attend_bwd = jax.jit(lambda *a: ref.xla_segment_attention_bwd(*a[:6], a[6], causal=True, sm_scale=0.1))
     _check_emulated(plan, lengths, rng, attend, attend_bwd, 4, 2, 16, jnp.float32, 1e-5)
@@ -380,23 +389,22 @@ def test_emulated_ring_pallas_gpu(rng):
     from liquidcp_jax.pallas import api
     lengths = [3000, 17, 1290, 1, 640, 2500, 900, 333]
     pl = mixed_placement(lengths)
-    lay = build_layout(lengths, pl.starts, pl.sizes, 8, 128)
     # A plan object needs a mesh of 8 devices; the emulation reads only its layout and segments.
-    plan = _host_plan(lengths, pl, lay)
+    plan = _host_plan(lengths, pl, 128)
     attend = jax.jit(lambda q, k, v, s: api.segment_attention(q, k, v, s, causal=True, sm_scale=0.1))
     attend_bwd = jax.jit(lambda *a: api.segment_attention_bwd(*a[:6], a[6], causal=True, sm_scale=0.1))
     _check_emulated(plan, lengths, rng, attend, attend_bwd, 8, 2, 128, jnp.bfloat16, 2e-2)
 
 
-def _host_plan(lengths, pl, lay):
+def _host_plan(lengths, pl, tile):
     """What ``_emulated_ring`` reads of a plan (static facts, ring segments, shard / unshard),
     built without an 8-device mesh."""
     import types
-    rs = build_ring_segments(lay, pl.starts, pl.sizes, lengths, causal=True)
-    N = lay.tile_seq.shape[0]
+    lay, steps, send = _layout(lengths, pl, tile)
+    rs = build_ring_segments(lay, steps, causal=True)
+    N = lay.num_devices
     static = types.SimpleNamespace(num_devices=N, tile_size=lay.tile_size,
-                                   local_capacity=lay.shard_src.shape[0] // N,
-                                   section_sizes=lay.section_sizes, section_tiles=lay.section_tiles)
+                                   local_capacity=lay.capacity, send_tiles=send)
 
     def shard(x):
         x = jnp.asarray(x)

@@ -35,16 +35,15 @@ from liquidcp_jax.util import constrain as _constrain
 
 def _token_meta(plan: MegaRingPlan):
     """``(seq [N*cap], pos [N*cap], valid [N*cap])`` int32/int32/bool of every CP slot."""
-    B = plan.static.tile_size
-    seq = jnp.repeat(jnp.asarray(plan.tables.tile_seq), B, axis=-1).reshape(-1)
-    return _constrain(seq, plan.sharding), plan.positions(), plan.valid()
+    return plan.segment_ids(), plan.positions(), plan.valid()
 
 
 def _check_plan(plan: MegaRingPlan, name: str):
     s = plan.static
-    if s.section_sizes != (s.num_devices,):
+    sizes = None if plan.placement is None else sorted({g.size for g in plan.placement.groups})
+    if sizes is not None and sizes != [s.num_devices]:   # (inside jit only the shapes are checked)
         raise ValueError(f"plan must place every sequence over the whole ring (a group of size "
-                         f"{s.num_devices}) for the {name} baseline; got groups of sizes {s.section_sizes}. "
+                         f"{s.num_devices}) for the {name} baseline; got groups of sizes {sizes}. "
                          f'Build it with plan_megaring(..., placement="all_cp")')
 
 

@@ -1,10 +1,11 @@
-"""Segment-ring executor: MegaRing's ring with ``lax.ppermute`` transfers and one packed-segment
-attention call per ring step.
+"""Segment-ring executor: MegaRing's exchange with ``lax.ppermute`` transfers and one packed-segment
+attention call per exchange step.
 
-Runs inside ``jax.shard_map`` on one device's shard. KV sections travel around their aligned
-size-``g`` rings as in :mod:`liquidcp_jax.executors.xla` (one ``ppermute`` per step and section);
-at step ``t`` the step's Compute task is a single segment-attention call over the local queries
-and a key buffer laid out as the local one (:func:`_step_buffers`), described by
+Runs inside ``jax.shard_map`` on one device's shard. KV is exchanged as in
+:mod:`liquidcp_jax.executors.xla` (step ``t``: the first ``send_tiles[t - 1]`` tiles swapped with
+partner ``d ^ t``, one ``ppermute`` for every group size); at step ``t`` the step's Compute task
+is a single segment-attention call over the local queries and a key buffer of the local buffer's
+shape (:func:`_step_buffers`), described by
 :class:`liquidcp_jax.megaring.ring_segments.RingSegments` (one segment per sequence, with
 positions), and its ``(out, lse)`` merges into the running state (paper Eq. 1). The backward
 re-circulates KV, calls the segment backward per step with the final ``(out, lse)`` (so the
@@ -41,7 +42,7 @@ COMPUTES = ("pallas", "xla")
 class RingSpec:
     """Static facts the executor is traced with (hashable).
 
-    ``ring``: the transfer layout (``xla.ExecSpec``: axis, devices, tile size, sections);
+    ``ring``: the transfer layout (``xla.ExecSpec``: axis, devices, tile size, send tiles);
     ``compute``: one of :data:`COMPUTES`; ``interpret``: run the Pallas kernels in interpret mode;
     ``fwd_config`` / ``bwd_config``: the Pallas ``TuningConfig`` / ``BwdTuningConfig`` (``None``:
     defaults).
@@ -90,11 +91,15 @@ def _tiles(x, B: int):
 
 
 def _step_buffers(kt, vt, r: xla_exec.ExecSpec):
-    """``(t, k_step, v_step)``, each ``[n_tiles, B, Hkv, D]``: every section in layout order, those
-    with ``g > t`` holding what the size-``g`` ring delivered at step ``t``, the others stale (no
-    segment of step ``t`` reads them). One shape for every step, so every step's kernels are the
-    same kernels (one compile each, not one per step as with the XLA executor's prefix buffers)."""
-    return xla_exec._ring_steps(kt, vt, r, every_section=True)
+    """``(t, k_step, v_step)``, each ``[n_tiles, B, Hkv, D]``: step ``t``'s received tiles (the
+    partner's first ``send_tiles[t - 1]``) followed by the device's own later tiles (stale: no
+    segment of step ``t`` reads them; step 0: the own tiles). One shape for every step, so every
+    step's kernels are the same kernels (one compile each)."""
+    yield 0, kt, vt
+    for t in range(1, r.steps):
+        n = r.send_tiles[t - 1]
+        yield (t, jnp.concatenate([xla_exec.exchange(kt, r, t), kt[n:]]),
+               jnp.concatenate([xla_exec.exchange(vt, r, t), vt[n:]]))
 
 
 def forward(q, k, v, segs, spec: RingSpec):
@@ -119,10 +124,8 @@ def backward(q, k, v, out, lse, do, segs, spec: RingSpec):
     C, hq, D = q.shape
     hkv = k.shape[1]
     dq = jnp.zeros((C, hq, D), jnp.float32)
-    zeros = jnp.zeros((C // B, B, hkv, D), jnp.float32)
-    dk, dv = xla_exec._sections(zeros, r), xla_exec._sections(zeros, r)
-    tiles_of = dict(zip(r.section_sizes, r.section_tiles))
-    offset_of = dict(zip(r.section_sizes, r.section_offsets))
+    dk = jnp.zeros((C // B, B, hkv, D), jnp.float32)
+    dv = jnp.zeros((C // B, B, hkv, D), jnp.float32)
     for t, k_step, v_step in _step_buffers(_tiles(k, B), _tiles(v, B), r):
         dq_t, dk_t, dv_t = _attend_bwd(q, k_step.reshape(-1, hkv, D), v_step.reshape(-1, hkv, D),
                                        out, lse, do, _segments(segs, t), spec)
@@ -130,15 +133,14 @@ def backward(q, k, v, out, lse, do, segs, spec: RingSpec):
         # The kernels return this step's shares in k.dtype: they travel as such (half the bytes
         # of float32, no precision to gain) and are summed in float32 by their owners.
         dk_t, dv_t = _tiles(dk_t, B), _tiles(dv_t, B)
-        for g in r.slots.step_sections[t]:
-            o, n = offset_of[g], tiles_of[g]
-            dks, dvs = dk_t[o:o + n], dv_t[o:o + n]
-            if t > 0:   # the KV came from member p - t: send its gradient straight back
-                perm = xla_exec._shift_perm(r.num_devices, g, -t)
-                dks = lax.ppermute(dks, r.axis_name, perm)
-                dvs = lax.ppermute(dvs, r.axis_name, perm)
-            dk[g] = dk[g] + dks.astype(jnp.float32)
-            dv[g] = dv[g] + dvs.astype(jnp.float32)
-    dk_all = jnp.concatenate([dk[g] for g in r.section_sizes]).reshape(C, hkv, D)
-    dv_all = jnp.concatenate([dv[g] for g in r.section_sizes]).reshape(C, hkv, D)
-    return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype)
+        n = C // B if t == 0 else r.send_tiles[t - 1]
+        dks, dvs = dk_t[:n], dv_t[:n]
+        if t > 0:   # the KV came from the step's partner: send its gradient straight back
+            perm = xla_exec._perm(r.num_devices, t)
+            dks = lax.ppermute(dks, r.axis_name, perm)
+            dvs = lax.ppermute(dvs, r.axis_name, perm)
+        pad = [(0, C // B - n)] + [(0, 0)] * 3     # (not .at[:n].add: see xla.backward)
+        dk = dk + jnp.pad(dks.astype(jnp.float32), pad)
+        dv = dv + jnp.pad(dvs.astype(jnp.float32), pad)
+    return (dq.astype(q.dtype), dk.reshape(C, hkv, D).astype(k.dtype),
+            dv.reshape(C, hkv, D).astype(v.dtype))

@@ -1,13 +1,15 @@
 """Portable MegaRing executor: ``lax.ppermute`` transfers + per-task attention.
 
-Runs inside ``jax.shard_map`` on one device's shard. KV sections travel around
-their aligned size-``g`` rings (one ``ppermute`` per step and section); step
-``t``'s arrivals are appended to a KV pool and the step's forward tasks (one Q
-tile x up to ``M`` coalesced KV tiles) run as soon as they are received, each
-merging its partial state into the Q tile's running state (paper Eq. 1).
-Backward (paper §4.1) re-circulates KV, evaluates one KV tile x one Q tile per
-pair with the saved out/LSE, accumulates dQ locally and returns each step's
-dK/dV contributions straight to their owners.
+Runs inside ``jax.shard_map`` on one device's shard. KV is exchanged in steps: at step ``t >= 1``
+every device swaps the first ``send_tiles[t - 1]`` tiles of its rows with partner ``d ^ t``
+(one ``ppermute`` per step for every group size: the layout stores larger groups first, so that
+prefix holds every row the two share; ``megaring.layout``). Step ``t``'s arrivals are appended
+to a KV pool and the step's forward tasks (one Q tile x up to ``M`` coalesced KV tiles) run as
+soon as they are received, each merging its partial state into the Q tile's running state
+(paper Eq. 1). Every (query, key) pair is masked by sequence id and position (the rows' metadata
+travels with the KV), so tiles may hold several sequences. Backward (paper §4.1) exchanges KV
+again, evaluates one KV tile x one Q tile per pair with the saved out/LSE, accumulates dQ locally
+and returns each step's dK/dV contributions straight to their owners (the same partner).
 
 Memory: a step's tasks (pairs) run in chunks of ``c`` under a ``lax.fori_loop``
 whose trip count is the step's *real* task count (capacity padding costs
@@ -25,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from liquidcp_jax.megaring.layout import ring_sender, section_offsets
-from liquidcp_jax.megaring.tables import MASK_DIAG, MASK_FULL, SlotLayout
+from liquidcp_jax.megaring.layout import exchange_partner
+from liquidcp_jax.megaring.tables import MASK_NONE, step_bases
 
 DEFAULT_MEMORY_BUDGET = 512 * 2 ** 20
 
@@ -42,20 +44,21 @@ class ExecSpec:
     axis_name: str
     num_devices: int
     tile_size: int
-    section_sizes: tuple[int, ...]
-    section_tiles: tuple[int, ...]
+    num_tiles: int
+    send_tiles: tuple[int, ...]
     task_tiles: int
     causal: bool
     scale: float
     memory_budget: int = DEFAULT_MEMORY_BUDGET
 
     @property
-    def slots(self) -> SlotLayout:
-        return SlotLayout.build(self.section_sizes, self.section_tiles)
+    def steps(self) -> int:
+        return len(self.send_tiles) + 1
 
     @property
-    def section_offsets(self) -> tuple[int, ...]:
-        return section_offsets(self.section_tiles)
+    def step_bases(self) -> tuple[int, ...]:
+        """KV pool slot of each step's first tile."""
+        return step_bases(self.num_tiles, self.send_tiles)
 
     def chunk(self, bytes_per_item: int, capacity: int) -> int:
         """Tasks per chunk: a power of two within the budget, at least 1, at most ``capacity`` rounded up."""
@@ -76,38 +79,35 @@ def bwd_pair_bytes(B: int, hq: int, hkv: int, D: int, itemsize: int) -> int:
     return 4 * hq * B * B * 4 + (2 * hq + 2 * hkv) * B * D * itemsize + (hq + 2 * hkv) * B * D * 4
 
 
-def _shift_perm(num_devices: int, g: int, shift: int):
-    """Device ``d`` (member ``p`` of its aligned size-``g`` group) sends to member ``p + shift``."""
-    return [(d, ring_sender(d, g, -shift)) for d in range(num_devices)]
+def _perm(num_devices: int, step: int):
+    """Step ``step``'s exchange: device ``d`` sends to (and receives from) ``d ^ step``."""
+    return [(d, exchange_partner(d, step)) for d in range(num_devices)]
 
 
-def _sections(x, spec: ExecSpec):
-    """Splits local tiles ``[n_tiles, ...]`` into ``{g: section}``."""
-    return {g: x[o:o + n] for g, o, n in zip(spec.section_sizes, spec.section_offsets, spec.section_tiles)}
+def exchange(x, spec: ExecSpec, step: int):
+    """The first ``send_tiles[step - 1]`` tiles of ``x`` (``[n_tiles, ...]``) swapped with the
+    partner of ``step``."""
+    n = spec.send_tiles[step - 1]
+    return lax.ppermute(x[:n], spec.axis_name, _perm(spec.num_devices, step))
 
 
-def _ring_steps(kt, vt, spec: ExecSpec, every_section: bool = False):
-    """Yields ``(t, k_step, v_step)``: the KV tiles received at ring step ``t`` (the sections with
-    ``g > t``, a prefix of the layout). ``every_section``: every section in layout order instead,
-    those with ``g <= t`` holding whatever they last held (one shape for every step)."""
-    ks, vs = _sections(kt, spec), _sections(vt, spec)
-    for t, secs in enumerate(spec.slots.step_sections):
-        if t > 0:
-            for g in secs:
-                perm = _shift_perm(spec.num_devices, g, 1)
-                ks[g] = lax.ppermute(ks[g], spec.axis_name, perm)
-                vs[g] = lax.ppermute(vs[g], spec.axis_name, perm)
-        out = spec.section_sizes if every_section else secs
-        yield t, jnp.concatenate([ks[g] for g in out]), jnp.concatenate([vs[g] for g in out])
+def _steps(kt, vt, seq, pos, spec: ExecSpec):
+    """Yields ``(t, k_t, v_t, seq_t, pos_t)``: the KV tiles of exchange step ``t`` and their rows'
+    sequence ids and positions (the device's own at ``t = 0``)."""
+    yield 0, kt, vt, seq, pos
+    for t in range(1, spec.steps):
+        yield (t, exchange(kt, spec, t), exchange(vt, spec, t), exchange(seq, spec, t),
+               exchange(pos, spec, t))
 
 
-def _mask(kind, kv_valid, B: int):
-    """``kind, kv_valid: [...]`` -> bool ``[..., B(q), B(k)]`` for one (Q tile, KV tile) pair."""
-    qi = jnp.arange(B)[:, None]
-    kj = jnp.arange(B)[None, :]
-    kind = kind[..., None, None]
-    key_ok = kj < kv_valid[..., None, None]
-    return key_ok & ((kind == MASK_FULL) | ((kind == MASK_DIAG) & (kj <= qi)))
+def _mask(kind, q_seq, q_pos, k_seq, k_pos, causal: bool):
+    """Valid (query, key) pairs of one (Q tile, KV tile) pair: ``kind [...]``, ``q_* [..., Bq]``,
+    ``k_* [..., Bk]`` -> bool ``[..., Bq, Bk]``: same sequence (not padding), key at or before
+    the query when causal, and an entry in use."""
+    same = (q_seq[..., :, None] == k_seq[..., None, :]) & (k_seq[..., None, :] >= 0)
+    if causal:
+        same &= k_pos[..., None, :] <= q_pos[..., :, None]
+    return same & (kind != MASK_NONE)[..., None, None]
 
 
 def _gqa(x, hkv):
@@ -131,10 +131,15 @@ def _chunked(count, c: int, rows, carry, body):
     return lax.fori_loop(0, (count + c - 1) // c, step, carry)
 
 
+def _tables(tables):
+    """``(tok_seq, tok_pos, fq, fs, fk, fc, bq, bs, bk, bc)`` of one device (``MegaRingTables``
+    field order)."""
+    return tuple(tables)
+
+
 def forward(q, k, v, tables, spec: ExecSpec):
     """One device's forward. Returns ``(out [C, Hq, D] q.dtype, lse [C, Hq] f32)``."""
-    tile_valid = tables[2]
-    fq, fs, fk, fv, fc = tables[3:8]
+    tok_seq, tok_pos, fq, fs, fk, fc = _tables(tables)[:6]
     B = spec.tile_size
     C, hq, D = q.shape
     hkv = k.shape[1]
@@ -145,24 +150,28 @@ def forward(q, k, v, tables, spec: ExecSpec):
     qt = q.reshape(nt, B, hq, D)
     kt = k.reshape(nt, B, hkv, D)
     vt = v.reshape(nt, B, hkv, D)
+    seq_t = tok_seq.reshape(nt, B)
+    pos_t = tok_pos.reshape(nt, B)
     # The running state of every Q tile, kept unnormalised as (max m, sum l, sum acc) so that a chunk
     # merges into the rows it touches only: out = acc / l, lse = m + log l (paper Eq. 1).
     carry = (jnp.full((nt, B, hq), -jnp.inf, jnp.float32), jnp.zeros((nt, B, hq), jnp.float32),
              jnp.zeros((nt, B, hq, D), jnp.float32))
-    pool_k, pool_v = [], []
-    for t, k_step, v_step in _ring_steps(kt, vt, spec):
-        pool_k.append(k_step)
-        pool_v.append(v_step)
-        pk, pv = jnp.concatenate(pool_k), jnp.concatenate(pool_v)
+    pool = [[], [], [], []]
+    for t, *step in _steps(kt, vt, seq_t, pos_t, spec):
+        for acc_, x in zip(pool, step):
+            acc_.append(x)
+        pk, pv, ps, pp = (jnp.concatenate(x) for x in pool)
 
-        def body(carry, q_idx, slot, kind, kv_valid, pk=pk, pv=pv):
+        def body(carry, q_idx, slot, kind, pk=pk, pv=pv, ps=ps, pp=pp):
             m_run, l_run, acc = carry
             tgt = jnp.where(q_idx >= 0, q_idx, nt)            # padding tasks scatter out of range: dropped
             row = jnp.minimum(tgt, nt - 1)
             qg = _gqa(qt[row], hkv)                            # [c, B, Hkv, rep, D]
             kg, vg = pk[slot], pv[slot]                        # [c, M, B, Hkv, D]
             s = jnp.einsum("kqhrd,kmjhd->khrqmj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
-            mask = jnp.transpose(_mask(kind, kv_valid, B), (0, 2, 1, 3))[:, None, None]  # [c,1,1,Bq,M,Bk]
+            mask = _mask(kind, seq_t[row][:, None], pos_t[row][:, None], ps[slot], pp[slot],
+                         spec.causal)                          # [c, M, Bq, Bk]
+            mask = jnp.transpose(mask, (0, 2, 1, 3))[:, None, None]          # [c, 1, 1, Bq, M, Bk]
             s = jnp.where(mask, s, -jnp.inf)
             m_t = jnp.transpose(jnp.max(s, axis=(-2, -1)), (0, 3, 1, 2)).reshape(-1, B, hq)
             # Several tasks of one chunk may share a Q tile: scatter-max gives every row its chunk-wide max.
@@ -181,11 +190,10 @@ def forward(q, k, v, tables, spec: ExecSpec):
             l_run = l_run.at[tgt].set(l_run[row] * alpha, mode="drop").at[tgt].add(l_t, mode="drop")
             return m_new, l_run, acc
 
-        rows = (_pad_rows(fq[t], c, -1), _pad_rows(fs[t], c, 0), _pad_rows(fk[t], c, 0),
-                _pad_rows(fv[t], c, 0))
+        rows = (_pad_rows(fq[t], c, -1), _pad_rows(fs[t], c, 0), _pad_rows(fk[t], c, 0))
         carry = _chunked(fc[t], c, rows, carry, body)
     m_run, l_run, acc = carry
-    q_ok = (jnp.arange(B)[None, :] < tile_valid[:, None])[..., None] & (l_run > 0)   # [nt, B, Hq]
+    q_ok = (seq_t >= 0)[..., None] & (l_run > 0)               # [nt, B, Hq]
     safe = jnp.where(q_ok, l_run, 1.0)
     out = jnp.where(q_ok[..., None], acc / safe[..., None], 0.0).reshape(C, hq, D).astype(q.dtype)
     lse = jnp.where(q_ok, m_run + jnp.log(safe), -jnp.inf).reshape(C, hq)
@@ -198,7 +206,8 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
     ``do: [C, Hq, D]`` and ``dlse: [C, Hq]`` are the cotangents; an LSE cotangent
     enters as ``dS = P * (dP - (rowsum(dO * O) - dlse))``.
     """
-    bq, bs, bk, bv, bc = tables[8:13]
+    tok_seq, tok_pos = _tables(tables)[:2]
+    bq, bs, bk, bc = _tables(tables)[6:10]
     B = spec.tile_size
     C, hq, D = q.shape
     hkv = k.shape[1]
@@ -211,13 +220,16 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
              - dlse.astype(jnp.float32)).reshape(nt, B, hq)
     kt = k.reshape(nt, B, hkv, D)
     vt = v.reshape(nt, B, hkv, D)
+    seq_t = tok_seq.reshape(nt, B)
+    pos_t = tok_pos.reshape(nt, B)
     dq = jnp.zeros((nt, B, hq, D), jnp.float32)
-    dk = _sections(jnp.zeros((nt, B, hkv, D), jnp.float32), spec)
-    dv = dict(_sections(jnp.zeros((nt, B, hkv, D), jnp.float32), spec))
-    for t, k_step, v_step in _ring_steps(kt, vt, spec):
+    dk = jnp.zeros((nt, B, hkv, D), jnp.float32)
+    dv = jnp.zeros((nt, B, hkv, D), jnp.float32)
+    for t, k_step, v_step, s_step, p_step in _steps(kt, vt, seq_t, pos_t, spec):
         n_step = k_step.shape[0]
 
-        def body(carry, q_idx, slot, kind, kv_valid, k_step=k_step, v_step=v_step, n_step=n_step):
+        def body(carry, q_idx, slot, kind, k_step=k_step, v_step=v_step, s_step=s_step,
+                 p_step=p_step, n_step=n_step):
             dq, dk_step, dv_step = carry
             valid = q_idx >= 0
             row = jnp.maximum(q_idx, 0)
@@ -227,7 +239,8 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
             dg = _gqa(delta[row][..., None], hkv)[..., 0]
             kg, vg = k_step[slot], v_step[slot]                # [c, Bk, Hkv, D]
             s = jnp.einsum("pqhrd,pjhd->phrqj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
-            mask = _mask(kind, kv_valid, B)[:, None, None] & valid[:, None, None, None, None]
+            mask = _mask(kind, seq_t[row], pos_t[row], s_step[slot], p_step[slot], spec.causal)
+            mask = mask[:, None, None] & valid[:, None, None, None, None]
             lq = jnp.transpose(lg, (0, 2, 3, 1))[..., None]     # [c, Hkv, rep, Bq, 1]
             p = jnp.where(mask & jnp.isfinite(lq), jnp.exp(s - jnp.where(jnp.isfinite(lq), lq, 0.0)), 0.0)
             dv_p = jnp.einsum("phrqj,pqhrd->pjhd", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
@@ -242,20 +255,16 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
             return dq, dk_step.at[seg].add(dk_p, mode="drop"), dv_step.at[seg].add(dv_p, mode="drop")
 
         zeros = jnp.zeros((n_step, B, hkv, D), jnp.float32)
-        rows = (_pad_rows(bq[t], c, -1), _pad_rows(bs[t], c, 0), _pad_rows(bk[t], c, 0),
-                _pad_rows(bv[t], c, 0))
+        rows = (_pad_rows(bq[t], c, -1), _pad_rows(bs[t], c, 0), _pad_rows(bk[t], c, 0))
         dq, dk_step, dv_step = _chunked(bc[t], c, rows, (dq, zeros, zeros), body)
-        o = 0
-        for g in spec.slots.step_sections[t]:
-            n = dict(zip(spec.section_sizes, spec.section_tiles))[g]
-            dks, dvs = dk_step[o:o + n], dv_step[o:o + n]
-            if t > 0:   # the KV came from member p - t: send its gradient straight back
-                perm = _shift_perm(spec.num_devices, g, -t)
-                dks = lax.ppermute(dks, spec.axis_name, perm)
-                dvs = lax.ppermute(dvs, spec.axis_name, perm)
-            dk[g] = dk[g] + dks
-            dv[g] = dv[g] + dvs
-            o += n
-    dk_all = jnp.concatenate([dk[g] for g in spec.section_sizes]).reshape(C, hkv, D)
-    dv_all = jnp.concatenate([dv[g] for g in spec.section_sizes]).reshape(C, hkv, D)
-    return dq.reshape(C, hq, D).astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype)
+        if t > 0:   # the KV came from the step's partner: send its gradient straight back
+            perm = _perm(spec.num_devices, t)
+            dk_step = lax.ppermute(dk_step, spec.axis_name, perm)
+            dv_step = lax.ppermute(dv_step, spec.axis_name, perm)
+        # (a pad, not .at[:n].add: that crashed Shardy's ManualComputationUnusedInputsPattern on
+        # jax 0.11.2 CPU when the shard_map ran outside jit)
+        pad = [(0, nt - n_step)] + [(0, 0)] * 3
+        dk = dk + jnp.pad(dk_step, pad)
+        dv = dv + jnp.pad(dv_step, pad)
+    return (dq.reshape(C, hq, D).astype(q.dtype), dk.reshape(C, hkv, D).astype(k.dtype),
+            dv.reshape(C, hkv, D).astype(v.dtype))

@@ -1,17 +1,37 @@
-"""Zigzag CP layout (paper §2.1) and the packed <-> CP-layout moves.
+"""Packed zigzag CP layout (paper §2.1) and the packed <-> CP-layout moves.
 
-A sequence of length ``L`` in a CP group of size ``g`` is padded to
-``2 * g * c`` tokens, ``c = ceil(L / (2 g B)) * B`` (so every chunk is a whole
-number of ``B``-token tiles), and cut into ``2g`` chunks of ``c`` tokens.
-Group member ``p`` holds chunks ``p`` and ``2g - 1 - p``: with causal masks
-every member then does the same attention work. Padding sits at the end of the
-sequence (positions ``>= L``) and is masked everywhere; it never changes a result.
+The layout rule (one rule for every backend):
 
-Each device's local buffer is split into *sections*, one per group size present
-in the plan (largest first), each of a fixed tile capacity; a section holds the
-chunks of the sequences placed in groups of that size, in sequence order. Only
-the section of size ``g`` circulates in the size-``g`` rings, so sequences in
-groups of different sizes (nested or disjoint) run in one call.
+1. **Chunks.** A sequence of length ``L`` on an aligned group of ``g`` devices is cut into ``2g``
+   zigzag chunks of *valid* lengths as equal as possible: ``floor(L / 2g)`` tokens each, plus one
+   for ``r = L mod 2g`` of them, the first ``r`` chunks when ``r <= g`` and the last ``r``
+   otherwise (``placement.metrics.zigzag_chunk_lengths``: the split with the smallest work spread
+   among those with equal tokens up to one); chunk ``j`` starts at the sum of the earlier
+   chunks' lengths. Member ``p`` (device ``start + p``) holds chunks ``p`` (front) and
+   ``2g - 1 - p`` (back). A local sequence (``g = 1``) is its two chunks, i.e. the whole
+   sequence in order.
+2. **Rows.** A member stores its front chunk and then its back chunk in consecutive rows, with no
+   padding between them; every row keeps its token's real position in its sequence.
+3. **Order.** Each device stores its sequences back to back in decreasing group size, ties by
+   sequence index (the order in which BuddyRing hands groups to MegaRing, paper §4.2), with no
+   padding between sequences. Padding rows (sequence id ``-1``) only follow the last sequence, up
+   to the capacity ``C`` (a whole number of ``B``-row tiles, the same on every device).
+
+Consequences the executors and the planner rely on:
+
+* every member holds the same valid tokens up to one and the same causal work up to one
+  token's keys (fewer than ``L`` pairs; none when ``2g`` divides ``L``; ``metrics.member_loads``
+  counts both exactly): padding never unbalances the ring;
+* rows are tokens: a device's rows in use are its valid tokens, so a capacity close to the
+  busiest device's tokens is a layout close to the real token count;
+* sequences of groups larger than ``t`` fill a prefix of every device's rows (groups are nested,
+  so both ends of an exchange hold the same larger-group sequences first): the exchange of step
+  ``t`` (partner ``d ^ t``, :func:`exchange_partner`) sends only that prefix;
+* tiles may hold several sequences and chunk boundaries: the executors mask every (query, key)
+  pair by sequence id and position (``tok_seq``, ``tok_pos``), never by tile-level kinds only.
+
+With the paper's Figure 7 lengths (``L`` a multiple of ``2g``) every chunk has ``L / 2g`` tokens,
+as in the paper.
 """
 from __future__ import annotations
 
@@ -19,13 +39,8 @@ import dataclasses
 
 import numpy as np
 
-from liquidcp_jax.util import pow2_bucket
-
-
-def chunk_tokens(length: int, group_size: int, tile_size: int) -> int:
-    """Tokens per zigzag chunk ``c``: ``ceil(L / (2 g B)) * B``."""
-    per = 2 * group_size * tile_size
-    return -(-int(length) // per) * tile_size
+from liquidcp_jax.placement.metrics import zigzag_chunk_lengths
+from liquidcp_jax.util import ranges
 
 
 def member_chunks(member: int, group_size: int) -> tuple[int, int]:
@@ -33,106 +48,167 @@ def member_chunks(member: int, group_size: int) -> tuple[int, int]:
     return member, 2 * group_size - 1 - member
 
 
-def ring_sender(device: int, group_size: int, step: int) -> int:
-    """The device whose section ``device`` holds at ring step ``step`` of its aligned size-``g``
-    group: member ``p`` receives member ``(p - step) mod g``'s (a member index when
-    ``device < g``).  ``step = -s`` gives the device ``device`` sends to at shift ``s``."""
-    g = int(group_size)
-    return (device // g) * g + (device % g - step) % g
+def exchange_partner(device: int, step: int) -> int:
+    """The device whose rows ``device`` receives at exchange step ``step`` (and which receives
+    ``device``'s): ``device ^ step``. For an aligned group of size ``g > step`` the partner is a
+    member of the same group (member ``p ^ step`` for member ``p``), so one permutation per step
+    serves every group size at once, and steps ``1 .. g - 1`` visit every other member once."""
+    return int(device) ^ int(step)
 
 
-def section_offsets(section_tiles) -> tuple[int, ...]:
-    """First local tile of each section (sections are stored back to back in layout order)."""
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(section_tiles)[:-1]]))
+def member_segments(length: int, group_size: int, member: int):
+    """``(front_pos, front_len, back_pos, back_len)`` of member ``member``'s two chunks of a
+    sequence of ``length`` on a group of ``group_size``: first positions and valid lengths."""
+    n = zigzag_chunk_lengths(int(length), int(group_size))
+    s = np.cumsum(n) - n
+    f, b = member_chunks(int(member), int(group_size))
+    return int(s[f]), int(n[f]), int(s[b]), int(n[b])
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceLayout:
     """Where every token of a packed batch lives in the CP layout (host side, NumPy).
 
-    Fields (``N`` devices, ``n_tiles`` tiles per device, ``B`` tokens per tile, ``T`` tokens):
-      tile_size: ``B``.
-      tile_seq: ``[N, n_tiles]`` int32 sequence of each local tile, ``-1`` for unused capacity.
-      tile_pos: ``[N, n_tiles]`` int32 position (within its sequence) of the tile's first token.
-      tile_valid: ``[N, n_tiles]`` int32 tokens of the tile inside the sequence (``pos < L``), 0..B.
-      section_sizes: ``(n_sec,)`` group size of each section, decreasing.
-      section_tiles: ``(n_sec,)`` tile capacity of each section.
-      shard_src: ``[N * n_tiles * B]`` int32 packed-token index feeding each CP slot, ``T`` for padding.
-      unshard_src: ``[T]`` int32 CP slot of each packed token.
-      chunk: ``(S,)`` int64 chunk tokens ``c`` per sequence.
+    Fields (``N`` devices, ``C`` rows per device, ``S`` sequences, ``T`` packed tokens):
+      tile_size: ``B`` (``C`` is a multiple of it).
+      tok_seq: ``[N, C]`` int32 sequence of each row, ``-1`` for padding.
+      tok_pos: ``[N, C]`` int32 position of each row's token in its sequence (0 for padding).
+      starts, sizes, lengths: ``(S,)`` int64: each sequence's group and length.
+      member_row: ``(sum g,)`` int64 first row of each (sequence, member) entry, entries of
+        sequence ``i`` at ``member_off[i] .. member_off[i + 1] - 1`` (member order).
+      member_front, member_back: ``(sum g,)`` int64 valid tokens of the entry's front / back chunk.
+      member_off: ``(S + 1,)`` int64.
+      rows_used: ``(N,)`` int64 valid rows (tokens) of each device.
+      prefix_rows: ``[steps, N]`` int64: rows of sequences in groups larger than ``t`` on each
+        device (a prefix of its rows; ``t = 0``: every valid row).
+      shard_src: ``[N * C]`` int32 packed-token index feeding each CP slot, ``T_cap`` for padding.
+      unshard_src: ``[T_cap]`` int32 CP slot of each packed token (``N * C`` for packed rows past
+        the batch's ``T`` tokens, when the capacity pins ``T_cap > T``).
     """
 
     tile_size: int
-    tile_seq: np.ndarray
-    tile_pos: np.ndarray
-    tile_valid: np.ndarray
-    section_sizes: tuple[int, ...]
-    section_tiles: tuple[int, ...]
+    tok_seq: np.ndarray
+    tok_pos: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    lengths: np.ndarray
+    member_row: np.ndarray
+    member_front: np.ndarray
+    member_back: np.ndarray
+    member_off: np.ndarray
+    rows_used: np.ndarray
+    prefix_rows: np.ndarray
     shard_src: np.ndarray
     unshard_src: np.ndarray
-    chunk: np.ndarray
 
     @property
-    def section_offsets(self) -> tuple[int, ...]:
-        return section_offsets(self.section_tiles)
+    def num_devices(self) -> int:
+        return int(self.tok_seq.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """``C``: rows per device."""
+        return int(self.tok_seq.shape[1])
+
+    @property
+    def steps(self) -> int:
+        """Exchange steps of the layout (1 + the largest step any group needs)."""
+        return int(self.prefix_rows.shape[0])
+
+    def row_of(self, seq: int, member: int) -> int:
+        """First row of sequence ``seq`` on its member ``member``."""
+        return int(self.member_row[self.member_off[seq] + member])
+
+
+def layout_needs(lengths, starts, sizes, num_devices: int):
+    """``(rows_used (N,), prefix_rows [steps, N])`` of a placement without building the layout:
+    the valid rows of each device and those of groups larger than ``t`` (``steps`` = the largest
+    group size)."""
+    lengths = np.asarray(lengths, np.int64)
+    starts = np.asarray(starts, np.int64)
+    sizes = np.asarray(sizes, np.int64)
+    N = int(num_devices)
+    steps = int(sizes.max()) if sizes.size else 1
+    per = np.zeros((len(np.unique(sizes)), N), np.int64)
+    gs = sorted({int(g) for g in sizes})
+    for k, g in enumerate(gs):
+        sel = np.nonzero(sizes == g)[0]
+        n = zigzag_chunk_lengths(lengths[sel], g)
+        p = np.arange(g)
+        tok = n[:, p] + n[:, 2 * g - 1 - p]                          # (k, g)
+        dev = starts[sel][:, None] + p[None]
+        per[k] = np.bincount(dev.ravel(), tok.ravel(), minlength=N)
+    prefix = np.zeros((steps, N), np.int64)
+    for t in range(steps):
+        prefix[t] = sum((per[k] for k, g in enumerate(gs) if g > t), np.zeros(N, np.int64))
+    return per.sum(axis=0), prefix
 
 
 def build_layout(lengths, starts, sizes, num_devices: int, tile_size: int,
-                 section_capacity: dict[int, int] | None = None) -> DeviceLayout:
-    """Lays sequences out on devices (zigzag within each group).
+                 capacity_rows: int | None = None, num_tokens: int | None = None,
+                 steps: int | None = None) -> DeviceLayout:
+    """Lays a placed batch out on the devices (the module's rule).
 
     Args:
-      lengths: ``(S,)`` sequence lengths; starts, sizes: ``(S,)`` their groups.
+      lengths: ``(S,)`` sequence lengths; starts, sizes: ``(S,)`` their aligned groups.
       num_devices: ``N``; tile_size: ``B``.
-      section_capacity: optional ``{group size: tiles}`` floor per section
-        (a larger need still wins); by default capacities are bucketed to
-        powers of two.
+      capacity_rows: ``C``, rows per device (a multiple of ``B`` at least the busiest device's
+        tokens); default: the busiest device's tokens rounded up to a whole tile.
+      num_tokens: ``T_cap >= sum(lengths)``, rows of the packed arrays ``plan.shard`` takes
+        (default ``sum(lengths)``).
+      steps: exchange steps to describe (at least the largest group size).
     """
     lengths = np.asarray(lengths, np.int64)
     starts = np.asarray(starts, np.int64)
     sizes = np.asarray(sizes, np.int64)
-    B, N = int(tile_size), int(num_devices)
-    S = len(lengths)
-    chunk = np.array([chunk_tokens(L, g, B) for L, g in zip(lengths, sizes)], np.int64)
-    sec_sizes = tuple(sorted({int(g) for g in sizes} | set((section_capacity or {}).keys()), reverse=True))
-    # Tiles each device needs per section: members hold 2 chunks of c/B tiles.
-    need = {g: np.zeros(N, np.int64) for g in sec_sizes}
-    for i in range(S):
-        g, s = int(sizes[i]), int(starts[i])
-        need[g][s:s + g] += 2 * chunk[i] // B
-    sec_tiles = []
-    for g in sec_sizes:
-        cap = pow2_bucket(need[g].max())
-        if section_capacity and g in section_capacity:
-            cap = max(cap, int(section_capacity[g]))
-        sec_tiles.append(cap)
-    n_tiles = int(sum(sec_tiles))
-    tile_seq = np.full((N, n_tiles), -1, np.int32)
-    tile_pos = np.zeros((N, n_tiles), np.int32)
-    tile_valid = np.zeros((N, n_tiles), np.int32)
+    B, N, S = int(tile_size), int(num_devices), len(lengths)
     T = int(lengths.sum())
-    shard_src = np.full((N, n_tiles * B), T, np.int64)
-    unshard_src = np.zeros(T, np.int64)
+    T_cap = T if num_tokens is None else int(num_tokens)
+    rows_used, prefix = layout_needs(lengths, starts, sizes, N)
+    steps = max(int(steps or 1), prefix.shape[0])
+    if steps > prefix.shape[0]:
+        prefix = np.concatenate([prefix, np.zeros((steps - prefix.shape[0], N), np.int64)])
+    need = int(rows_used.max()) if S else 0
+    C = -(-max(need, 1) // B) * B if capacity_rows is None else int(capacity_rows)
+    if C < need or C % B:
+        raise ValueError(f"capacity_rows={C} must be a multiple of tile_size={B} and at least the "
+                         f"busiest device's {need} tokens")
+    # One entry per (sequence, member), in each device's storage order: decreasing group size,
+    # then sequence index, then (within a sequence) member order.
+    off = np.concatenate([[0], np.cumsum(sizes)])
+    seq, p = ranges(sizes)
+    dev = starts[seq] + p
+    front, back, fpos, bpos = (np.zeros(len(seq), np.int64) for _ in range(4))
+    for g in np.unique(sizes).tolist():
+        sel = np.nonzero(sizes == g)[0]
+        n = zigzag_chunk_lengths(lengths[sel], g)                    # (k, 2g)
+        s0 = np.cumsum(n, axis=1) - n
+        m = np.arange(g)
+        ent = (off[sel][:, None] + m[None]).ravel()
+        front[ent], back[ent] = n[:, m].ravel(), n[:, 2 * g - 1 - m].ravel()
+        fpos[ent], bpos[ent] = s0[:, m].ravel(), s0[:, 2 * g - 1 - m].ravel()
+    cnt = front + back
+    order = np.lexsort((seq, -sizes[seq], dev))                     # by device, then storage order
+    c_sorted, d_sorted = cnt[order], dev[order]
+    excl = np.cumsum(c_sorted) - c_sorted
+    row = np.zeros(len(seq), np.int64)
+    row[order] = excl - excl[np.searchsorted(d_sorted, d_sorted, side="left")]
+    # Token-level metadata: the front chunk's rows, then the back chunk's.
+    tok_seq = np.full((N, C), -1, np.int32)
+    tok_pos = np.zeros((N, C), np.int32)
+    shard_src = np.full((N, C), T_cap, np.int64)
+    unshard_src = np.full(T_cap, N * C, np.int64)
     seq_off = np.concatenate([[0], np.cumsum(lengths)])
-    sec_off = dict(zip(sec_sizes, section_offsets(sec_tiles)))
-    fill = {(g, d): 0 for g in sec_sizes for d in range(N)}
-    for i in range(S):
-        g, s, L, c = int(sizes[i]), int(starts[i]), int(lengths[i]), int(chunk[i])
-        nt = c // B
-        for p in range(g):
-            d = s + p
-            t0 = sec_off[g] + fill[(g, d)]
-            for h, ch in enumerate(member_chunks(p, g)):
-                tiles = t0 + h * nt + np.arange(nt)
-                pos = ch * c + np.arange(nt) * B
-                tile_seq[d, tiles] = i
-                tile_pos[d, tiles] = pos
-                tile_valid[d, tiles] = np.clip(L - pos, 0, B)
-                tok = ch * c + np.arange(c)                      # positions of this chunk
-                slot = tiles[0] * B + np.arange(c)
-                ok = tok < L
-                shard_src[d, slot[ok]] = seq_off[i] + tok[ok]
-                unshard_src[seq_off[i] + tok[ok]] = d * n_tiles * B + slot[ok]
-            fill[(g, d)] += 2 * nt
-    return DeviceLayout(B, tile_seq, tile_pos, tile_valid, sec_sizes, tuple(sec_tiles),
-                        shard_src.reshape(-1).astype(np.int32), unshard_src.astype(np.int32), chunk)
+    e, w = ranges(cnt)                                               # entry, row within entry
+    in_front = w < front[e]
+    pos = np.where(in_front, fpos[e] + w, bpos[e] + w - front[e])
+    r = row[e] + w
+    d = dev[e]
+    tok_seq[d, r] = seq[e]
+    tok_pos[d, r] = pos
+    packed = seq_off[seq[e]] + pos
+    shard_src[d, r] = packed
+    unshard_src[packed] = d * C + r
+    return DeviceLayout(B, tok_seq, tok_pos, starts, sizes, lengths, row, front, back, off,
+                        rows_used, prefix, shard_src.reshape(-1).astype(np.int32),
+                        unshard_src.astype(np.int32))

@@ -1,6 +1,6 @@
 """Local segments of the one-step path (paper §2.2): when every group has size 1, each device's
-sequences are contiguous rows of its shard (chunks 0 and 1 adjacent), so the Pallas varlen
-kernel runs them as packed self-attention with no KV exchange (host side, NumPy)."""
+sequences are contiguous rows of its shard (packed back to back, :mod:`.layout`), so the Pallas
+varlen kernel runs them as packed self-attention with no KV exchange (host side, NumPy)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -12,8 +12,7 @@ from liquidcp_jax.util import pow2_bucket
 
 
 class LocalSegments(NamedTuple):
-    """Each device's local sequences (``N`` devices, ``K`` slots: a power-of-two bucket of the most
-    local sequences on a device), int32.
+    """Each device's local sequences (``N`` devices, ``K`` slots), int32.
 
     Fields:
       start: ``[N, K]`` first row of each sequence in the device's shard.
@@ -30,24 +29,31 @@ class LocalSegments(NamedTuple):
         return int(self.start.shape[-1])
 
 
-def build_local_segments(layout: DeviceLayout, starts, sizes, lengths,
-                         min_capacity: int = 1) -> LocalSegments:
-    """The sequences of size-1 groups (``(start, size)`` per sequence) of a layout as
-    :class:`LocalSegments`; larger groups are left out. ``min_capacity``: a floor for ``K`` (to
-    pin a capacity bucket)."""
-    N = layout.tile_seq.shape[0]
-    B = layout.tile_size
-    rows = [[] for _ in range(N)]
-    for i, (s, g, L) in enumerate(zip(starts, sizes, lengths)):
-        if g == 1:
-            first = int(np.nonzero(layout.tile_seq[s] == i)[0][0])
-            rows[s].append((first * B, L))
-    cap = pow2_bucket(max(len(r) for r in rows), min_capacity)
-    start = np.zeros((N, cap), np.int32)
-    length = np.zeros((N, cap), np.int32)
+def build_local_segments(layout: DeviceLayout, capacity: int = 1,
+                         pinned: bool = False) -> LocalSegments:
+    """The sequences of size-1 groups of a layout as :class:`LocalSegments`; larger groups are
+    left out. ``capacity``: a floor for ``K`` (the exact ``K`` when ``pinned``: the one-step
+    path and the segment ring share one ``segments`` capacity, so plans whose capacities compare
+    equal have equal table shapes)."""
+    N = layout.num_devices
+    loc = np.nonzero(layout.sizes == 1)[0]
+    dev = layout.starts[loc]
+    row = layout.member_row[layout.member_off[loc]]
+    need = int(np.bincount(dev, minlength=N).max()) if loc.size else 0
+    if pinned:
+        if need > capacity:
+            raise ValueError(f"the batch has {need} local sequences on a device; the pinned "
+                             f"capacity has {capacity} segments (capacity.segments)")
+        K = int(capacity)
+    else:
+        K = pow2_bucket(need, capacity)
+    start = np.zeros((N, K), np.int32)
+    length = np.zeros((N, K), np.int32)
     count = np.zeros((N, 1), np.int32)
-    for d, r in enumerate(rows):
-        count[d, 0] = len(r)
-        for j, (a, L) in enumerate(r):
-            start[d, j], length[d, j] = a, L
+    order = np.lexsort((row, dev))
+    for e in order.tolist():
+        d = int(dev[e])
+        j = int(count[d, 0])
+        start[d, j], length[d, j] = row[e], layout.lengths[loc[e]]
+        count[d, 0] += 1
     return LocalSegments(start, length, count)

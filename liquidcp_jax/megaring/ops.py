@@ -32,13 +32,19 @@ def _local(fn, static: PlanStatic, n_data: int, n_tables: int, n_out: int):
                          out_specs=(data,) * n_out, check_vma=False)
 
 
+# The tables each pass reads (MegaRingTables field order).
+_FWD_TABLES = slice(0, 6)
+_BWD_TABLES = (0, 1, 6, 7, 8, 9)
+
+
 def _forward(q, k, v, tables, static: PlanStatic, scale: float):
     spec = static.exec_spec(scale)
+    tb = tuple(tables)[_FWD_TABLES]
 
     def f(q, k, v, *tb):
         return xla_exec.forward(q, k, v, [x[0] for x in tb], spec)
 
-    return _local(f, static, 3, len(tables), 2)(q, k, v, *tables)
+    return _local(f, static, 3, len(tb), 2)(q, k, v, *tb)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -57,9 +63,11 @@ def _megaring_xla_bwd(static, scale, res, cts):
     spec = static.exec_spec(scale)
 
     def f(q, k, v, out, lse, dout, dlse, *tb):
-        return xla_exec.backward(q, k, v, out, lse, dout, dlse, [x[0] for x in tb], spec)
+        t = [x[0] for x in tb]
+        return xla_exec.backward(q, k, v, out, lse, dout, dlse, t[:2] + [None] * 4 + t[2:], spec)
 
-    dq, dk, dv = _local(f, static, 7, len(tables), 3)(q, k, v, out, lse, dout, dlse, *tables)
+    tb = tuple(tables[i] for i in _BWD_TABLES)
+    dq, dk, dv = _local(f, static, 7, len(tb), 3)(q, k, v, out, lse, dout, dlse, *tb)
     return dq, dk, dv, jax.tree.map(lambda _: None, tables)
 
 

@@ -1,11 +1,12 @@
-"""MegaRing plans (host side): placement, zigzag layout, task tables and segments of a packed batch.
+"""MegaRing plans (host side): placement, packed zigzag layout, task tables and segments of a batch.
 
 ``plan_megaring`` places sequences in aligned CP groups (:mod:`liquidcp_jax.placement`), lays them
-out zigzag (:mod:`.layout`) and builds the executors' tables (:mod:`.tables`,
-:mod:`.ring_segments`, :mod:`.local_segments`). A plan is a frozen dataclass pytree whose leaves
-are fixed-capacity int32 tables and whose static part (:class:`PlanStatic`) is its compile key:
-pass it as an argument of your jitted step and batches that land in the same capacity bucket
-reuse one compiled program.
+out (:mod:`.layout`: packed zigzag, rows are tokens) and builds the executors' tables
+(:mod:`.tables`, :mod:`.ring_segments`, :mod:`.local_segments`). A plan is a frozen dataclass
+pytree whose leaves are fixed-capacity int32 tables and whose static part (:class:`PlanStatic`)
+is its compile key. Pin one capacity (:mod:`.capacity`: ``capacity_for`` for any batch of up to
+``T`` tokens, or ``MegaRingCapacity.fit`` over a data set's plans) and pass the plan as an
+argument of your jitted step: every batch then reuses one compiled program.
 """
 from __future__ import annotations
 
@@ -20,29 +21,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from liquidcp_jax import placement as placement_lib
 from liquidcp_jax.executors import xla as xla_exec
-from liquidcp_jax.megaring.layout import build_layout
+from liquidcp_jax.megaring import ring_segments as ring_lib
+from liquidcp_jax.megaring.capacity import MegaRingCapacity, bucket_tiles
+from liquidcp_jax.megaring.layout import DeviceLayout, build_layout, layout_needs
 from liquidcp_jax.megaring.local_segments import LocalSegments, build_local_segments
 from liquidcp_jax.megaring.ring_segments import RingSegments, build_ring_segments
-from liquidcp_jax.megaring.tables import (MASK_DIAG, MASK_FULL, MegaRingTables, SequenceInfo,
-                                          build_megaring_tables)
-from liquidcp_jax.util import constrain as _constrain
+from liquidcp_jax.megaring.tables import MegaRingTables, SequenceInfo, build_megaring_tables
+from liquidcp_jax.util import constrain as _constrain, pow2_bucket
 from liquidcp_jax.validation import validate_lengths
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanStatic:
-    """The hashable part of a plan: what a compiled program depends on."""
+    """The hashable part of a plan: what a compiled program depends on.
+
+    ``capacity`` holds every static size (:class:`~.capacity.MegaRingCapacity`); ``num_tokens``
+    is the packed row count ``plan.shard`` takes; ``all_local`` (no exchange: the Pallas one-step
+    path) follows from the capacity (one exchange step), never from the batch.
+    """
 
     mesh: Mesh
     axis_name: str
     num_devices: int
-    tile_size: int
-    section_sizes: tuple[int, ...]
-    section_tiles: tuple[int, ...]
+    capacity: MegaRingCapacity
     task_tiles: int
     causal: bool
     num_tokens: int
-    all_local: bool = False   # every group has size 1: no KV exchange (the Pallas one-step path)
     memory_budget: int = xla_exec.DEFAULT_MEMORY_BUDGET   # bytes per chunk of XLA-executor tasks
     head_axis: str | None = None   # mesh axis the heads of [N * capacity, H, D] arrays split over
 
@@ -53,39 +57,49 @@ class PlanStatic:
         return P(self.axis_name, self.head_axis) if self.head_axis else P(self.axis_name)
 
     @property
+    def tile_size(self) -> int:
+        return self.capacity.tile_size
+
+    @property
+    def all_local(self) -> bool:
+        return self.capacity.steps == 1
+
+    @property
     def local_capacity(self) -> int:
-        """Tokens per device in the CP layout."""
-        return sum(self.section_tiles) * self.tile_size
+        """Rows (token slots) per device in the CP layout."""
+        return self.capacity.rows
 
     def exec_spec(self, scale: float) -> xla_exec.ExecSpec:
-        return xla_exec.ExecSpec(self.axis_name, self.num_devices, self.tile_size, self.section_sizes,
-                                 self.section_tiles, self.task_tiles, self.causal, float(scale),
-                                 int(self.memory_budget))
+        c = self.capacity
+        return xla_exec.ExecSpec(self.axis_name, self.num_devices, c.tile_size, c.tiles, c.send_tiles,
+                                 self.task_tiles, self.causal, float(scale), int(self.memory_budget))
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("tables", "shard_src", "unshard_src", "local_segments",
                                 "ring_segments"),
-                   meta_fields=("static",), drop_fields=("placement", "sequences"))
+                   meta_fields=("static",), drop_fields=("placement", "sequences", "layout"))
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class MegaRingPlan:
     """A MegaRing plan: the static part (the compile key), int32 tables (the pytree's leaves) and
     host-only facts (not part of the pytree: ``None`` after ``jit`` or ``jax.tree.map``).
 
     Fields:
-      static: ``PlanStatic`` (mesh, axis, tile size, section capacities, ...).
-      tables: ``MegaRingTables`` of int32 arrays with leading dim ``N`` (devices): the XLA
-        executor's task tables.
-      shard_src: ``[N * capacity]`` int32 packed-token index feeding each CP slot (``T`` = padding).
-      unshard_src: ``[T]`` int32 CP slot of each packed token.
+      static: ``PlanStatic`` (mesh, axis, capacity, ...).
+      tables: ``MegaRingTables`` of int32 arrays with leading dim ``N`` (devices): row metadata
+        (sequence id, position) and the XLA executor's task tables.
+      shard_src: ``[N * C]`` int32 packed-token index feeding each CP slot (``num_tokens`` =
+        padding).
+      unshard_src: ``[num_tokens]`` int32 CP slot of each packed token (``N * C`` for packed rows
+        past the batch's tokens).
       local_segments: ``LocalSegments`` (``[N, K]`` int32): each device's local sequences as
         contiguous rows of its shard (the Pallas one-step path, when every group has size 1).
       ring_segments: ``RingSegments`` (int32 ``[N, steps, K]`` arrays and an ``[N, steps]``
-        count): per device and ring step, the step's Compute task as packed segments with
+        count): per device and exchange step, the step's Compute task as packed segments with
         positions (the Pallas segment-ring executor).
       placement: the ``placement_lib.Placement`` (host only).
-      sequences: ``SequenceInfo`` with per-sequence chunk sizes and ``tau_min`` / ``tau_max``
-        (host only).
+      sequences: ``SequenceInfo`` with per-sequence ``tau_min`` / ``tau_max`` (host only).
+      layout: the ``layout.DeviceLayout`` (host only).
     """
 
     static: PlanStatic
@@ -96,6 +110,7 @@ class MegaRingPlan:
     ring_segments: RingSegments
     placement: placement_lib.Placement | None = None
     sequences: SequenceInfo | None = None
+    layout: DeviceLayout | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -118,13 +133,15 @@ class MegaRingPlan:
         return self.static.num_devices * self.static.local_capacity
 
     def shard(self, x: jax.Array) -> jax.Array:
-        """Packed ``[T, ...]`` (e.g. ``[T, H, D]``) -> CP layout ``[N * capacity, ...]`` sharded over the CP
-        axis (3-D ``[T, H, D]`` arrays: heads also over the plan's ``head_axis``); padding slots are 0."""
+        """Packed ``[num_tokens, ...]`` (e.g. ``[T, H, D]``) -> CP layout ``[N * C, ...]`` sharded over
+        the CP axis (3-D ``[T, H, D]`` arrays: heads also over the plan's ``head_axis``); padding
+        slots are 0. With a pinned ``capacity.num_tokens``, rows past the batch's ``sum(lengths)``
+        are ignored."""
         if getattr(x, "ndim", 0) < 1 or x.shape[0] != self.static.num_tokens:
-            raise ValueError(f"x must have shape [T={self.static.num_tokens}, ...] (the plan's lengths sum "
-                             f"to {self.static.num_tokens}); got {getattr(x, 'shape', None)}")
-        xp = jnp.concatenate([jnp.asarray(x), jnp.zeros((1,) + x.shape[1:], x.dtype)])
-        y = _constrain(xp[jnp.asarray(self.shard_src)], self.sharding)
+            raise ValueError(f"x must have shape [num_tokens={self.static.num_tokens}, ...] (the plan's "
+                             f"packed rows); got {getattr(x, 'shape', None)}")
+        y = jnp.asarray(x).at[jnp.asarray(self.shard_src)].get(mode="fill", fill_value=0)
+        y = _constrain(y, self.sharding)
         if x.ndim == 3 and self.static.head_axis:
             check_heads(x.shape[1], self.static, "x")
             # Split heads after the token gather (a local slice), so the gather's transpose (a
@@ -133,56 +150,51 @@ class MegaRingPlan:
         return y
 
     def unshard(self, y: jax.Array) -> jax.Array:
-        """CP layout ``[N * capacity, ...]`` -> packed ``[T, ...]`` (replicated)."""
+        """CP layout ``[N * C, ...]`` -> packed ``[num_tokens, ...]`` (replicated; rows past the
+        batch's tokens: 0)."""
         if getattr(y, "ndim", 0) < 1 or y.shape[0] != self.cp_tokens:
             raise ValueError(f"y must have shape [{self.cp_tokens}, ...] (the plan's CP layout); "
                              f"got {getattr(y, 'shape', None)}")
         y = _constrain(jnp.asarray(y), NamedSharding(self.static.mesh, P()))
-        return y[jnp.asarray(self.unshard_src)]
+        return y.at[jnp.asarray(self.unshard_src)].get(mode="fill", fill_value=0)
 
     def positions(self) -> jax.Array:
-        """``[N * capacity]`` int32 position of each CP slot within its sequence (padding: its padded position)."""
-        tb = self.tables
-        B = self.static.tile_size
-        pos = jnp.asarray(tb.tile_pos)[..., None] + jnp.arange(B, dtype=jnp.int32)
-        return _constrain(pos.reshape(-1), self.sharding)
+        """``[N * C]`` int32 position of each CP slot's token within its sequence (padding: 0)."""
+        return _constrain(jnp.asarray(self.tables.tok_pos).reshape(-1), self.sharding)
+
+    def segment_ids(self) -> jax.Array:
+        """``[N * C]`` int32 sequence index of each CP slot (``-1``: padding)."""
+        return _constrain(jnp.asarray(self.tables.tok_seq).reshape(-1), self.sharding)
 
     def valid(self) -> jax.Array:
-        """``[N * capacity]`` bool: the CP slot holds a real token (not padding)."""
-        tb = self.tables
-        B = self.static.tile_size
-        ok = jnp.arange(B, dtype=jnp.int32) < jnp.asarray(tb.tile_valid)[..., None]
-        return _constrain(ok.reshape(-1), self.sharding)
+        """``[N * C]`` bool: the CP slot holds a real token (not padding)."""
+        return _constrain(jnp.asarray(self.tables.tok_seq).reshape(-1) >= 0, self.sharding)
 
     def local_loads(self) -> dict[str, np.ndarray]:
-        """Host: per-device ``tokens`` and causal ``attention`` work (valid (q, k) pairs)."""
-        tb = self.tables
-        tokens = np.asarray(tb.tile_valid).sum(axis=1)
-        kind = np.asarray(tb.bwd_kind)
-        val = np.asarray(tb.bwd_kv_valid)
-        q = np.asarray(tb.bwd_q_tile)
-        qv = np.take_along_axis(np.asarray(tb.tile_valid)[:, None, :].repeat(q.shape[1], 1),
-                                np.maximum(q, 0), axis=2)
-        full = (kind == MASK_FULL) * qv * val
-        diag = (kind == MASK_DIAG) * (qv * (qv + 1) // 2)
-        work = (full + diag).reshape(self.static.num_devices, -1).sum(1)
-        return {"tokens": tokens, "attention": work}
+        """Host: per-device valid ``tokens`` and valid (query, key) pairs (``attention``) of its
+        queries, from the plan's row metadata (causal: ``pos + 1`` keys per token)."""
+        seq = np.asarray(self.tables.tok_seq)
+        pos = np.asarray(self.tables.tok_pos).astype(np.int64)
+        ok = seq >= 0
+        if self.static.causal:
+            work = np.where(ok, pos + 1, 0).sum(axis=1)
+        else:
+            lengths = np.asarray(self.layout.lengths if self.layout is not None else [], np.int64)
+            work = np.where(ok, lengths[np.maximum(seq, 0)] if lengths.size else 0, 0).sum(axis=1)
+        return {"tokens": ok.sum(axis=1), "attention": work}
 
     @property
-    def capacity(self) -> dict[str, Any]:
-        """The plan's capacity bucket; pass it as ``plan_megaring(..., capacity=...)`` to pin later batches to it."""
-        s = self.static
-        return {"sections": dict(zip(s.section_sizes, s.section_tiles)),
-                "fwd_tasks": int(np.shape(self.tables.fwd_q_tile)[-1]),
-                "bwd_pairs": int(np.shape(self.tables.bwd_q_tile)[-1]),
-                "segments": max(self.local_segments.capacity, self.ring_segments.capacity)}
+    def capacity(self) -> MegaRingCapacity:
+        """The plan's capacity; pass it (or ``MegaRingCapacity.fit`` of several, or
+        ``capacity_for``) as ``plan_megaring(..., capacity=...)`` to pin later batches to it."""
+        return self.static.capacity
 
     def __repr__(self):
         s = self.static
         heads = f", heads over {s.head_axis!r}" if s.head_axis else ""
-        return (f"MegaRingPlan(devices={s.num_devices}, tokens={s.num_tokens}, capacity={s.local_capacity}/device, "
-                f"sections={dict(zip(s.section_sizes, s.section_tiles))} tiles, tile={s.tile_size}, "
-                f"causal={s.causal}{heads})")
+        return (f"MegaRingPlan(devices={s.num_devices}, tokens={s.num_tokens}, capacity={s.local_capacity}"
+                f"/device, steps={s.capacity.steps}, send_tiles={s.capacity.send_tiles}, "
+                f"tile={s.tile_size}, causal={s.causal}{heads})")
 
 
 def check_heads(num_heads: int, static: PlanStatic, name: str = "q") -> None:
@@ -196,7 +208,7 @@ def check_heads(num_heads: int, static: PlanStatic, name: str = "q") -> None:
                          f"be; plan_megaring(..., head_axis=None) keeps heads whole)")
 
 
-def _resolve_placement(placement, lengths, num_devices) -> placement_lib.Placement:
+def _resolve_placement(placement, lengths, num_devices, max_group_size) -> placement_lib.Placement:
     if isinstance(placement, placement_lib.Placement):
         if tuple(placement.lengths) != tuple(lengths):
             raise ValueError("placement.lengths must equal lengths")
@@ -207,14 +219,15 @@ def _resolve_placement(placement, lengths, num_devices) -> placement_lib.Placeme
     if placement == "all_cp":
         return placement_lib.all_cp(lengths, num_devices)
     if placement == "buddyring":
-        return placement_lib.buddyring(lengths, num_devices)
+        kw = {} if max_group_size is None else {"max_group_size": int(max_group_size)}
+        return placement_lib.buddyring(lengths, num_devices, **kw)
     raise ValueError(f'placement must be "all_cp", "buddyring" or a placement.Placement; got {placement!r}')
 
 
 def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "buddyring", *,
                   head_axis: str | None = "auto",
-                  causal: bool = True, tile_size: int = 128, task_tiles: int = 8,
-                  capacity: dict[str, Any] | None = None,
+                  causal: bool = True, tile_size: int | None = None, task_tiles: int = 8,
+                  capacity: MegaRingCapacity | None = None,
                   memory_budget: int = xla_exec.DEFAULT_MEMORY_BUDGET) -> MegaRingPlan:
     """Plans a packed batch for MegaRing (host side, NumPy).
 
@@ -227,12 +240,14 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
         its ``Hq / tp`` query and ``Hkv / tp`` KV heads (both must divide). ``"auto"``: the mesh's
         ``"tp"`` axis if it has one, else none; ``None``: heads whole on every device.
       causal: the attention mask the tables are built for.
-      tile_size: ``B``, tokens per tile (zigzag chunks are whole tiles).
+      tile_size: ``B``, rows per tile of the XLA executor (default 128, or the capacity's).
       task_tiles: ``M``, the most KV tiles one forward task coalesces (the
         executor's cap on ``tau_max = 4H``; ``tau_min = H/2`` is capped by it too).
-      capacity: optional floors ``{"sections": {g: tiles}, "fwd_tasks": K, "bwd_pairs": P,
-        "segments": n}`` to pin a capacity bucket across batches (``plan.capacity`` of the largest;
-        ``segments``: segment slots per device, of the one-step path and of the segment ring).
+      capacity: a :class:`~.capacity.MegaRingCapacity` to pin every static size (``plan.capacity``
+        of an earlier plan, ``capacity_for(max_tokens, mesh)``, ``MegaRingCapacity.fit(...)``):
+        plans with one capacity have equal static parts and leaf shapes (one compiled program).
+        A batch that does not fit raises ``ValueError`` naming the field; BuddyRing then uses
+        groups of at most ``capacity.steps`` devices. Default: the batch's own (bucketed) sizes.
       memory_budget: bytes the XLA executor's intermediates for one chunk of tasks may take (scores and
         probabilities of ``c`` tasks); a step's tasks run ``c`` at a time, so peak temporary memory is
         the budget plus f32 accumulators of the local shard, not a whole step's scores. Default 512 MiB.
@@ -251,24 +266,60 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
                          f"other than axis_name={axis_name!r}; the mesh has {tuple(mesh.shape)}")
     lengths = validate_lengths(lengths)
     N = int(mesh.shape[axis_name])
-    if tile_size < 1 or tile_size % 8:
+    if capacity is not None and not isinstance(capacity, MegaRingCapacity):
+        raise ValueError(f"capacity must be a megaring.MegaRingCapacity (plan.capacity, capacity_for "
+                         f"or MegaRingCapacity.fit); got {type(capacity).__name__}")
+    if tile_size is None:
+        tile_size = 128 if capacity is None else capacity.tile_size
+    if isinstance(tile_size, bool) or int(tile_size) != tile_size or tile_size < 1 or tile_size % 8:
         raise ValueError(f"tile_size must be a positive multiple of 8; got {tile_size}")
+    if capacity is not None and capacity.tile_size != tile_size:
+        raise ValueError(f"tile_size={tile_size} but capacity.tile_size={capacity.tile_size}")
     if task_tiles < 1:
         raise ValueError(f"task_tiles must be >= 1; got {task_tiles}")
     if int(memory_budget) < 1:
         raise ValueError(f"memory_budget must be a positive number of bytes; got {memory_budget}")
-    pl = _resolve_placement(placement, lengths, N)
-    capacity = capacity or {}
-    layout = build_layout(lengths, pl.starts, pl.sizes, N, tile_size, capacity.get("sections"))
-    tables, seqinfo, _slots, _caps = build_megaring_tables(layout, pl.starts, pl.sizes, lengths,
-                                                           causal=causal, task_tiles=task_tiles,
-                                                           min_caps=capacity)
-    all_local = bool(np.all(pl.sizes == 1))
-    static = PlanStatic(mesh, axis_name, N, int(tile_size), layout.section_sizes, layout.section_tiles,
-                        int(task_tiles), bool(causal), int(sum(lengths)), all_local, int(memory_budget),
-                        head_axis)
-    ring = build_ring_segments(layout, pl.starts, pl.sizes, lengths, causal=causal,
-                               min_capacity=int(capacity.get("segments", 1)))
-    local = build_local_segments(layout, pl.starts, pl.sizes, lengths,
-                                 min_capacity=int(capacity.get("segments", 1)))
-    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, local, ring, pl, seqinfo)
+    B = int(tile_size)
+    T = int(sum(lengths))
+    pl = _resolve_placement(placement, lengths, N, None if capacity is None else capacity.steps)
+    rows, prefix = layout_needs(lengths, pl.starts, pl.sizes, N)
+    need_tiles = -(-int(rows.max()) // B)
+    need_send = [-(-int(prefix[t].max()) // B) for t in range(1, prefix.shape[0])]
+    if capacity is None:
+        tiles = bucket_tiles(max(need_tiles, 1))
+        send = tuple(min(tiles, bucket_tiles(n)) for n in need_send)
+        num_tokens = T
+    else:
+        tiles, send, num_tokens = capacity.tiles, capacity.send_tiles, capacity.num_tokens or T
+        steps_need = int(pl.sizes.max())
+        if steps_need > capacity.steps:
+            raise ValueError(f"the placement has a group of {steps_need} devices; capacity.send_tiles "
+                             f"allows groups of at most {capacity.steps} (capacity.steps)")
+        if need_tiles > tiles:
+            raise ValueError(f"the batch puts {int(rows.max())} tokens on one device ({need_tiles} tiles "
+                             f"of {B}); capacity.tiles={tiles}")
+        for t, n in enumerate(need_send, start=1):
+            if n > send[t - 1]:
+                raise ValueError(f"exchange step {t} must send {n} tiles (the rows of groups larger than "
+                                 f"{t}); capacity.send_tiles[{t - 1}]={send[t - 1]}")
+        if T > num_tokens:
+            raise ValueError(f"the batch has {T} tokens; capacity.num_tokens={num_tokens}")
+    steps = len(send) + 1
+    layout = build_layout(lengths, pl.starts, pl.sizes, N, B, capacity_rows=tiles * B,
+                          num_tokens=num_tokens, steps=steps)
+    pinned = capacity is not None
+    caps = {} if capacity is None else {"fwd_tasks": capacity.fwd_tasks, "bwd_pairs": capacity.bwd_pairs}
+    tables, seqinfo, _needs = build_megaring_tables(layout, causal=causal, task_tiles=task_tiles,
+                                                    steps=steps, send_tiles=send, caps=caps,
+                                                    pinned=pinned)
+    if capacity is None:
+        loc = np.bincount(pl.starts[pl.sizes == 1], minlength=N)
+        segs = pow2_bucket(max(ring_lib.needs(layout, steps), int(loc.max(initial=0))))
+        capacity = MegaRingCapacity(B, tiles, send, int(tables.fwd_q_tile.shape[-1]),
+                                    int(tables.bwd_q_tile.shape[-1]), segs, None)
+    ring = build_ring_segments(layout, steps, causal=causal, capacity=capacity.segments, pinned=True)
+    local = build_local_segments(layout, capacity=capacity.segments, pinned=True)
+    static = PlanStatic(mesh, axis_name, N, capacity, int(task_tiles), bool(causal), int(num_tokens),
+                        int(memory_budget), head_axis)
+    return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, local, ring, pl, seqinfo,
+                        layout)

@@ -1,17 +1,23 @@
 """MegaRing task tables (paper §4.1): Q tiles, logical KV order, coalesced tasks.
 
-Host-side NumPy. For every device and ring step the tables list
+Host-side NumPy, built from the packed layout (:mod:`.layout`). KV arrives in *exchange steps*:
+step 0 is the device's own rows, step ``t >= 1`` the first ``send_tiles[t - 1]`` tiles of partner
+``d ^ t`` (:func:`.layout.exchange_partner`; for groups larger than ``t`` that prefix holds every
+row the pair shares). For every device and step the tables list
 
-* forward *Compute* tasks: one local Q tile against up to ``task_tiles`` KV
-  tiles, claimed from the Q tile's logical KV order (local tiles first, remote
-  tiles in arrival order) with the readiness rule of §4.1: once ``R - C >=
-  tau_min`` ready tiles are unassigned, claim ``[C, C + min(R - C, tau_max))``;
-  after the last arrival any remainder is claimed;
-* backward pairs: one KV tile against one local Q tile (backward keeps one KV
-  tile per region, accumulating dK/dV over its Q tiles);
+* forward *Compute* tasks: one local Q tile against up to ``task_tiles`` KV tiles, claimed from
+  the Q tile's logical KV order (local tiles first, remote tiles in arrival order) with the
+  readiness rule of §4.1: once ``R - C >= tau_min`` ready tiles are unassigned, claim
+  ``[C, C + min(R - C, tau_max))``; after the last arrival any remainder is claimed;
+* backward pairs: one KV tile against one local Q tile (backward keeps one KV tile per region,
+  accumulating dK/dV over its Q tiles);
 
-each with its mask kind per (Q tile, KV tile) pair. All arrays are int32 with
-fixed, bucketed capacities so one compiled program serves many batches.
+each with a kind per (Q tile, KV tile) pair, classified from real positions: ``MASK_FULL`` when
+both tiles hold rows of one sequence only and every key precedes every query (causal) so no
+mask is needed, else ``MASK_PARTIAL``; ``MASK_NONE`` marks unused entries. The executors mask
+every pair by sequence id and position (``tok_seq``, ``tok_pos``), so a tile may hold several
+sequences and chunk boundaries. All arrays are int32 with fixed capacities (pinned by
+:class:`~.capacity.MegaRingCapacity`) so one compiled program serves many batches.
 """
 from __future__ import annotations
 
@@ -21,77 +27,45 @@ from typing import NamedTuple
 
 import numpy as np
 
-from liquidcp_jax.megaring.layout import DeviceLayout, ring_sender, section_offsets
-from liquidcp_jax.util import pow2_bucket
+from liquidcp_jax.megaring.layout import DeviceLayout, exchange_partner
+from liquidcp_jax.placement.metrics import zigzag_chunk_lengths
+from liquidcp_jax.util import pow2_bucket, ranges
 
-MASK_NONE, MASK_FULL, MASK_DIAG = 0, 1, 2
+MASK_NONE, MASK_FULL, MASK_PARTIAL = 0, 1, 2
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotLayout:
-    """Where step ``t``'s received sections sit in the KV pool (static).
-
-    ``step_base[t]``: pool slot of step ``t``'s first tile; ``step_sections[t]``:
-    the group sizes whose sections travel at step ``t`` (``g > t``), in section
-    order; ``step_slots[t]``: tiles received at step ``t``.
-    """
-
-    step_base: tuple[int, ...]
-    step_sections: tuple[tuple[int, ...], ...]
-    step_slots: tuple[int, ...]
-
-    @staticmethod
-    def build(section_sizes, section_tiles) -> "SlotLayout":
-        num_steps = max(section_sizes)
-        base, secs, slots = [], [], []
-        acc = 0
-        for t in range(num_steps):
-            s = tuple(g for g in section_sizes if g > t)
-            n = sum(tl for g, tl in zip(section_sizes, section_tiles) if g > t)
-            base.append(acc)
-            secs.append(s)
-            slots.append(n)
-            acc += n
-        return SlotLayout(tuple(base), tuple(secs), tuple(slots))
-
-    def slot(self, step: int, section_sizes, section_tiles, group_size: int, tile: int) -> int:
-        """Pool slot of section ``group_size``'s tile ``tile`` received at ``step``."""
-        off = 0
-        for g in self.step_sections[step]:
-            if g == group_size:
-                return self.step_base[step] + off + tile
-            off += dict(zip(section_sizes, section_tiles))[g]
-        raise ValueError(f"section {group_size} does not travel at step {step}")
+def step_bases(num_tiles: int, send_tiles) -> tuple[int, ...]:
+    """KV pool slot of each step's first tile: the local tiles, then each step's received ones."""
+    return tuple(int(x) for x in np.concatenate([[0], num_tiles + np.cumsum([0] + list(send_tiles))[:-1]]))
 
 
 class MegaRingTables(NamedTuple):
-    """Per-device task tables (``N`` devices, ``S`` ring steps).
+    """Per-device task tables (``N`` devices, ``S`` exchange steps, ``C`` rows = ``n`` tiles).
 
     Fields:
-      tile_seq, tile_pos, tile_valid: ``[N, n_tiles]`` local tile metadata (see ``layout.DeviceLayout``).
+      tok_seq, tok_pos: ``[N, C]`` row metadata (``layout.DeviceLayout``): sequence (``-1``:
+        padding) and position of each row.
       fwd_q_tile: ``[N, S, K]`` local Q tile of each forward task at each step; ``-1`` = padding.
-      fwd_kv_slot: ``[N, S, K, M]`` KV pool slot of each of the task's KV tiles (logical order).
-      fwd_kind: ``[N, S, K, M]`` mask kind per (Q tile, KV tile): 0 none (padding), 1 full, 2 causal diagonal.
-      fwd_kv_valid: ``[N, S, K, M]`` valid tokens of each KV tile (keys ``>=`` it are padding).
+      fwd_kv_slot: ``[N, S, K, M]`` KV pool slot of each of the task's KV tiles (logical order):
+        local tiles ``0 .. n-1``, then each step's received tiles (:func:`step_bases`).
+      fwd_kind: ``[N, S, K, M]`` ``MASK_NONE`` (unused), ``MASK_FULL`` or ``MASK_PARTIAL``.
       fwd_count: ``[N, S]`` real tasks per step.
       bwd_q_tile: ``[N, S, P]`` local Q tile of each backward pair; ``-1`` = padding.
-      bwd_kv_slot: ``[N, S, P]`` tile index within step ``t``'s received buffer.
-      bwd_kind, bwd_kv_valid: ``[N, S, P]`` as for the forward.
+      bwd_kv_slot: ``[N, S, P]`` tile index within step ``t``'s KV (local tiles at step 0, the
+        partner's first tiles after).
+      bwd_kind: ``[N, S, P]`` as for the forward.
       bwd_count: ``[N, S]`` real pairs per step.
     """
 
-    tile_seq: np.ndarray
-    tile_pos: np.ndarray
-    tile_valid: np.ndarray
+    tok_seq: np.ndarray
+    tok_pos: np.ndarray
     fwd_q_tile: np.ndarray
     fwd_kv_slot: np.ndarray
     fwd_kind: np.ndarray
-    fwd_kv_valid: np.ndarray
     fwd_count: np.ndarray
     bwd_q_tile: np.ndarray
     bwd_kv_slot: np.ndarray
     bwd_kind: np.ndarray
-    bwd_kv_valid: np.ndarray
     bwd_count: np.ndarray
 
 
@@ -99,14 +73,13 @@ class MegaRingTables(NamedTuple):
 class SequenceInfo:
     """Per-sequence planning facts (``(S_seq,)`` arrays).
 
-    Fields: start, size (the CP group), chunk (tokens per zigzag chunk), half_tiles
-    (``H = c / B``, KV tiles in a zigzag half-shard), tau_min (``ceil(H/2)``),
-    tau_max (``4H``), tau_min_eff / tau_max_eff (after the executor's task width cap).
+    Fields: start, size (the CP group), half_tiles (``H = ceil(L / (2 g B))``, KV tiles in a
+    zigzag half-shard), tau_min (``ceil(H/2)``), tau_max (``4H``), tau_min_eff / tau_max_eff
+    (after the executor's task width cap).
     """
 
     start: np.ndarray
     size: np.ndarray
-    chunk: np.ndarray
     half_tiles: np.ndarray
     tau_min: np.ndarray
     tau_max: np.ndarray
@@ -120,7 +93,7 @@ def coalescing_thresholds(half_tiles: int) -> tuple[int, int]:
 
 
 def claim_tasks(arrivals: list[int], tau_min: int, tau_max: int) -> list[tuple[int, int, int]]:
-    """The readiness-driven claim rule of §4.1 at ring-step granularity.
+    """The readiness-driven claim rule of §4.1 at exchange-step granularity.
 
     Args:
       arrivals: ready KV tiles added to the logical order at each step.
@@ -138,117 +111,208 @@ def claim_tasks(arrivals: list[int], tau_min: int, tau_max: int) -> list[tuple[i
     return tasks
 
 
-def build_megaring_tables(layout: DeviceLayout, starts, sizes, lengths, *, causal: bool,
-                          task_tiles: int, min_caps: dict[str, int] | None = None):
-    """Builds the XLA executor's task tables, ``(MegaRingTables, SequenceInfo, SlotLayout, caps)``,
-    from a layout.
+def _runs(layout: DeviceLayout, ent: np.ndarray):
+    """The two position runs (front chunk, back chunk) of layout entries ``ent``: arrays
+    ``(row0, length, pos0)`` of shape ``(2 len(ent),)``, front runs first."""
+    L = layout.lengths
+    seq_of = np.repeat(np.arange(len(L)), np.diff(layout.member_off))[ent]
+    g = layout.sizes[seq_of]
+    m = ent - layout.member_off[seq_of]
+    f, b = layout.member_front[ent], layout.member_back[ent]
+    row = layout.member_row[ent]
+    # first positions: front chunk m starts after chunks 0..m-1, back chunk 2g-1-m after the rest
+    fpos = np.zeros(len(ent), np.int64)
+    bpos = np.zeros(len(ent), np.int64)
+    for gg in np.unique(g).tolist():
+        sel = np.nonzero(g == gg)[0]
+        n = zigzag_chunk_lengths(L[seq_of[sel]], gg)
+        s0 = np.cumsum(n, axis=1) - n
+        fpos[sel] = s0[np.arange(len(sel)), m[sel]]
+        bpos[sel] = s0[np.arange(len(sel)), 2 * gg - 1 - m[sel]]
+    return (np.concatenate([row, row + f]), np.concatenate([f, b]), np.concatenate([fpos, bpos]),
+            np.concatenate([seq_of, seq_of]))
 
-    ``caps`` is ``{"fwd_tasks": K, "bwd_pairs": P}`` (bucketed); ``min_caps``
-    floors them.
-    """
-    starts = np.asarray(starts, np.int64)
-    sizes = np.asarray(sizes, np.int64)
-    lengths = np.asarray(lengths, np.int64)
-    N = layout.tile_seq.shape[0]
+
+def tile_pairs(layout: DeviceLayout, steps: int, *, causal: bool):
+    """Every (device, step, Q tile, KV tile) with at least one valid (query, key) pair, with its
+    kind: int64 arrays ``(d, t, a, b, kind)``, sorted by ``(d, t, a, b)``, each quadruple once.
+    ``b`` indexes the step's KV rows (the device's own at ``t = 0``, partner ``d ^ t``'s after)."""
     B = layout.tile_size
-    sec_sizes, sec_tiles = layout.section_sizes, layout.section_tiles
-    sec_off = dict(zip(sec_sizes, layout.section_offsets))
-    slots = SlotLayout.build(sec_sizes, sec_tiles)
-    S = len(slots.step_base)
-    H = layout.chunk // B
+    N = layout.num_devices
+    sizes = layout.sizes
+    off = layout.member_off
+    seq_e, mem_e = ranges(sizes)
+    dev_e = layout.starts[seq_e] + mem_e
+    ent = np.arange(len(seq_e))
+    # Run pairs (q run on d, k run on the partner) for every (d, t) and shared sequence.
+    qi, ki, dd, tt = [], [], [], []
+    for t in range(steps):
+        sel = ent[sizes[seq_e] > t]
+        if not sel.size:
+            continue
+        partner_mem = mem_e[sel] ^ t
+        k_ent = off[seq_e[sel]] + partner_mem
+        qi.append(sel)
+        ki.append(k_ent)
+        dd.append(dev_e[sel])
+        tt.append(np.full(sel.size, t))
+    if not qi:
+        z = np.zeros(0, np.int64)
+        return z, z, z, z, z
+    qi, ki, dd, tt = (np.concatenate(x) for x in (qi, ki, dd, tt))
+    qr, ql, qp, _ = _runs(layout, qi)
+    kr, kl, kp, _ = _runs(layout, ki)
+    n = qi.size
+    # 2 x 2 run pairs per entry pair
+    a_idx = np.concatenate([np.arange(2 * n), np.arange(2 * n)])
+    b_idx = np.concatenate([np.arange(2 * n), (np.arange(2 * n) + n) % (2 * n)])
+    qr, ql, qp = qr[a_idx], ql[a_idx], qp[a_idx]
+    kr, kl, kp = kr[b_idx], kl[b_idx], kp[b_idx]
+    d_rp = np.concatenate([dd, dd, dd, dd])
+    t_rp = np.concatenate([tt, tt, tt, tt])
+    keep = (ql > 0) & (kl > 0)
+    if causal:
+        keep &= kp <= qp + ql - 1
+    qr, ql, qp, kr, kl, kp, d_rp, t_rp = (x[keep] for x in (qr, ql, qp, kr, kl, kp, d_rp, t_rp))
+    # Q tiles of each run pair
+    a0, a1 = qr // B, (qr + ql - 1) // B
+    rp, wa = ranges(a1 - a0 + 1)
+    a = a0[rp] + wa
+    q_lo_row = np.maximum(qr[rp], a * B)
+    q_hi_row = np.minimum(qr[rp] + ql[rp], (a + 1) * B) - 1
+    qpos_lo = qp[rp] + q_lo_row - qr[rp]
+    qpos_hi = qp[rp] + q_hi_row - qr[rp]
+    b0, b1 = kr[rp] // B, (kr[rp] + kl[rp] - 1) // B
+    if causal:
+        last = (kr[rp] + qpos_hi - kp[rp]) // B   # keys at positions <= qpos_hi
+        b1 = np.minimum(b1, last)
+    cnt = np.maximum(b1 - b0 + 1, 0)
+    ra, wb = ranges(cnt)
+    b = b0[ra] + wb
+    i = rp[ra]
+    # FULL: both tiles wholly inside their runs and (causal) every key before every query.
+    k_lo_row = np.maximum(kr[i], b * B)
+    k_hi_row = np.minimum(kr[i] + kl[i], (b + 1) * B) - 1
+    whole = ((q_lo_row[ra] == a[ra] * B) & (q_hi_row[ra] == a[ra] * B + B - 1)
+             & (k_lo_row == b * B) & (k_hi_row == b * B + B - 1))
+    if causal:
+        whole &= kp[i] + k_hi_row - kr[i] <= qpos_lo[ra]
+    kind = np.where(whole, MASK_FULL, MASK_PARTIAL)
+    d, t, aa = d_rp[i], t_rp[i], a[ra]
+    nt = layout.capacity // B
+    key = ((d * steps + t) * nt + aa) * nt + b
+    order = np.argsort(key, kind="stable")
+    key, kind = key[order], kind[order]
+    first = np.r_[True, key[1:] != key[:-1]] if key.size else np.zeros(0, bool)
+    # a quadruple reached from several run pairs holds several runs: partial
+    multi = np.bincount(np.cumsum(first) - 1) > 1 if key.size else np.zeros(0, bool)
+    key = key[first]
+    kind = np.where(multi, MASK_PARTIAL, kind[first])
+    b = key % nt
+    a_ = (key // nt) % nt
+    t = (key // (nt * nt)) % steps
+    d = key // (nt * nt * steps)
+    return d, t, a_, b, kind
+
+
+def sequence_info(layout: DeviceLayout, task_tiles: int) -> SequenceInfo:
+    B = layout.tile_size
+    H = np.maximum(1, -(-layout.lengths // (2 * layout.sizes * B)))
     tmin = np.array([coalescing_thresholds(int(h))[0] for h in H], np.int64)
     tmax = 4 * H
     tmax_eff = np.minimum(tmax, task_tiles)
     tmin_eff = np.minimum(tmin, tmax_eff)
-    seqinfo = SequenceInfo(starts, sizes, layout.chunk, H, tmin, tmax, tmin_eff, tmax_eff)
+    return SequenceInfo(layout.starts, layout.sizes, H, tmin, tmax, tmin_eff, tmax_eff)
 
-    # Per device: lists of forward tasks / backward pairs per step.
-    fwd = [[[] for _ in range(S)] for _ in range(N)]   # (q_tile, [(slot, kind, valid)])
-    bwd = [[[] for _ in range(S)] for _ in range(N)]   # (q_tile, step_slot, kind, valid)
-    for d in range(N):
-        for g in sec_sizes:
-            off = sec_off[g]
-            ntl = dict(zip(sec_sizes, sec_tiles))[g]
-            q_idx = off + np.arange(ntl)
-            q_seq = layout.tile_seq[d, q_idx]
-            # Per step: the source member's section and the pair kinds.
-            per_step = []
-            for t in range(g):
-                src = ring_sender(d, g, t)
-                k_seq = layout.tile_seq[src, q_idx]
-                k_pos = layout.tile_pos[src, q_idx]
-                k_val = layout.tile_valid[src, q_idx]
-                step_off = slots.slot(t, sec_sizes, sec_tiles, g, 0) - slots.step_base[t]
-                per_step.append((k_seq, k_pos, k_val, step_off))
-            for a in range(ntl):
-                i = int(q_seq[a])
-                if i < 0 or layout.tile_valid[d, off + a] == 0:
-                    continue
-                qpos = int(layout.tile_pos[d, off + a])
-                logical, arrivals = [], []
-                for t, (k_seq, k_pos, k_val, step_off) in enumerate(per_step):
-                    sel = np.nonzero((k_seq == i) & (k_val > 0))[0]
-                    if causal:
-                        kind = np.where(k_pos[sel] < qpos, MASK_FULL,
-                                        np.where(k_pos[sel] == qpos, MASK_DIAG, MASK_NONE))
-                    else:
-                        kind = np.full(sel.shape, MASK_FULL)
-                    keep = kind != MASK_NONE
-                    sel, kind = sel[keep], kind[keep]
-                    arrivals.append(len(sel))
-                    for b, kd in zip(sel, kind):
-                        logical.append((slots.step_base[t] + step_off + int(b), int(kd), int(k_val[b])))
-                        bwd[d][t].append((off + a, step_off + int(b), int(kd), int(k_val[b])))
-                for t, c0, e0 in claim_tasks(arrivals, int(tmin_eff[i]), int(tmax_eff[i])):
-                    fwd[d][t].append((off + a, logical[c0:e0]))
 
-    K = pow2_bucket(max((len(x) for row in fwd for x in row), default=1))
-    P = pow2_bucket(max((len(x) for row in bwd for x in row), default=1))
-    if min_caps:
-        K = max(K, int(min_caps.get("fwd_tasks", 0)))
-        P = max(P, int(min_caps.get("bwd_pairs", 0)))
+def build_megaring_tables(layout: DeviceLayout, *, causal: bool, task_tiles: int, steps: int,
+                          send_tiles, caps: dict[str, int] | None = None, pinned: bool = False):
+    """Builds the XLA executor's task tables, ``(MegaRingTables, SequenceInfo, needs)``.
+
+    Args:
+      layout: the packed layout; steps: exchange steps (``S``); send_tiles: tiles received at
+        steps ``1 .. S-1`` (each at least the step's prefix, ``layout.prefix_rows``).
+      caps: ``{"fwd_tasks": K, "bwd_pairs": P}``: floors, or the exact sizes when ``pinned``.
+    Returns:
+      ``needs``: ``{"fwd_tasks", "bwd_pairs"}`` the batch's own largest counts.
+    """
+    B = layout.tile_size
+    N = layout.num_devices
+    nt = layout.capacity // B
     M = int(task_tiles)
+    S = int(steps)
+    info = sequence_info(layout, M)
+    d, t, a, b, kind = tile_pairs(layout, S, causal=causal)
+    # Backward: one entry per quadruple.
+    bc = np.zeros((N, S), np.int64)
+    np.add.at(bc, (d, t), 1)
+    # Forward: per (device, Q tile) the logical order (steps, then tile index) claimed into tasks.
+    tok_seq = layout.tok_seq
+    first_seq = np.full((N, nt), -1, np.int64)
+    tiles_seq = tok_seq.reshape(N, nt, B)
+    has = (tiles_seq >= 0).any(axis=2)
+    idx_first = np.argmax(tiles_seq >= 0, axis=2)
+    first_seq[has] = np.take_along_axis(tiles_seq, idx_first[..., None], 2)[..., 0][has]
+    bases = step_bases(nt, send_tiles)
+    slot = np.asarray(bases, np.int64)[t] + b
+    qkey = d * nt + a                                          # sorted by (d, t, a, b): regroup
+    order = np.lexsort((b, t, qkey))
+    qk, tq, sl, kd = qkey[order], t[order], slot[order], kind[order]
+    starts_q = np.r_[0, np.nonzero(np.diff(qk))[0] + 1] if qk.size else np.zeros(0, np.int64)
+    ends_q = np.r_[starts_q[1:], qk.size] if qk.size else np.zeros(0, np.int64)
+    tasks = []                                                 # (device, step, q tile, first, end)
+    tmin, tmax = info.tau_min_eff.tolist(), info.tau_max_eff.tolist()
+    for s0, e0 in zip(starts_q.tolist(), ends_q.tolist()):
+        dq, aq = divmod(int(qk[s0]), nt)
+        i = int(first_seq[dq, aq])
+        arrivals = np.bincount(tq[s0:e0], minlength=S).tolist()
+        for step, c0, e1 in claim_tasks(arrivals, tmin[i], tmax[i]):
+            tasks.append((dq, step, aq, s0 + c0, s0 + e1))
+    tk = np.asarray(tasks, np.int64).reshape(-1, 5)
+    tk = tk[np.lexsort((tk[:, 2], tk[:, 1], tk[:, 0]))]        # by (device, step, q tile)
+    fc = np.zeros((N, S), np.int64)
+    np.add.at(fc, (tk[:, 0], tk[:, 1]), 1)
+    needs = {"fwd_tasks": int(fc.max(initial=0)), "bwd_pairs": int(bc.max(initial=0))}
+    caps = dict(caps or {})
+    if pinned:
+        K, P = int(caps["fwd_tasks"]), int(caps["bwd_pairs"])
+        for name, have in (("fwd_tasks", K), ("bwd_pairs", P)):
+            if needs[name] > have:
+                raise ValueError(f"the batch needs {needs[name]} {name} per device and step; the "
+                                 f"pinned capacity has {have} (capacity.{name})")
+    else:
+        K = pow2_bucket(max(needs["fwd_tasks"], caps.get("fwd_tasks", 1)))
+        P = pow2_bucket(max(needs["bwd_pairs"], caps.get("bwd_pairs", 1)))
     fq = np.full((N, S, K), -1, np.int32)
     fs = np.zeros((N, S, K, M), np.int32)
     fk = np.zeros((N, S, K, M), np.int32)
-    fv = np.zeros((N, S, K, M), np.int32)
-    fc = np.zeros((N, S), np.int32)
+    dts = tk[:, 0] * S + tk[:, 1]
+    j = np.arange(dts.size) - np.searchsorted(dts, dts, side="left")
+    fq[tk[:, 0], tk[:, 1], j] = tk[:, 2]
+    own, m = ranges(tk[:, 4] - tk[:, 3])
+    src = tk[own, 3] + m
+    fs[tk[own, 0], tk[own, 1], j[own], m] = sl[src]
+    fk[tk[own, 0], tk[own, 1], j[own], m] = kd[src]
     bq = np.full((N, S, P), -1, np.int32)
     bs = np.zeros((N, S, P), np.int32)
     bk = np.zeros((N, S, P), np.int32)
-    bv = np.zeros((N, S, P), np.int32)
-    bc = np.zeros((N, S), np.int32)
-    for d in range(N):
-        for t in range(S):
-            fc[d, t] = len(fwd[d][t])
-            for j, (qt, tiles) in enumerate(fwd[d][t]):
-                fq[d, t, j] = qt
-                for m, (sl, kd, vl) in enumerate(tiles):
-                    fs[d, t, j, m], fk[d, t, j, m], fv[d, t, j, m] = sl, kd, vl
-            bc[d, t] = len(bwd[d][t])
-            if bwd[d][t]:
-                arr = np.asarray(bwd[d][t], np.int32)
-                n = len(arr)
-                bq[d, t, :n], bs[d, t, :n], bk[d, t, :n], bv[d, t, :n] = arr.T
-    tables = MegaRingTables(layout.tile_seq, layout.tile_pos, layout.tile_valid,
-                            fq, fs, fk, fv, fc, bq, bs, bk, bv, bc)
-    return tables, seqinfo, slots, {"fwd_tasks": K, "bwd_pairs": P}
+    # position of each quadruple within its (d, t): quadruples are sorted by (d, t, a, b)
+    dt = d * S + t
+    pos = np.arange(dt.size) - np.searchsorted(dt, dt, side="left")
+    bq[d, t, pos] = a
+    bs[d, t, pos] = b
+    bk[d, t, pos] = kind
+    tables = MegaRingTables(layout.tok_seq, layout.tok_pos, fq, fs, fk, fc.astype(np.int32),
+                            bq, bs, bk, bc.astype(np.int32))
+    return tables, info, needs
 
 
-def pool_sources(section_sizes, section_tiles, device: int) -> tuple[np.ndarray, np.ndarray]:
-    """Owner of every KV pool slot seen by ``device``: ``(owner_device [n_slots], owner_tile [n_slots])``.
-
-    Slot order is the executor's: steps in order, within a step the sections
-    that travel (``g > t``) in section order. At step ``t`` member ``p`` of a
-    size-``g`` group holds the section of member ``p - t``.
-    """
-    slots = SlotLayout.build(section_sizes, section_tiles)
-    sec_off = dict(zip(section_sizes, section_offsets(section_tiles)))
-    ntl = dict(zip(section_sizes, section_tiles))
-    dev, tile = [], []
-    for t, secs in enumerate(slots.step_sections):
-        for g in secs:
-            src = ring_sender(device, g, t)
-            dev.append(np.full(ntl[g], src))
-            tile.append(sec_off[g] + np.arange(ntl[g]))
+def pool_sources(num_tiles: int, send_tiles, device: int) -> tuple[np.ndarray, np.ndarray]:
+    """Owner of every KV pool slot seen by ``device``: ``(owner_device [n_slots], owner_tile
+    [n_slots])``, in the executor's slot order (:func:`step_bases`)."""
+    dev = [np.full(num_tiles, device)]
+    tile = [np.arange(num_tiles)]
+    for t, n in enumerate(send_tiles, start=1):
+        dev.append(np.full(int(n), exchange_partner(device, t)))
+        tile.append(np.arange(int(n)))
     return np.concatenate(dev), np.concatenate(tile)

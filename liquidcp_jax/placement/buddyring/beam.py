@@ -141,12 +141,28 @@ def _place_fillers_scalar(pb: Problem, beam: BeamState, fillers, lam: float) -> 
     return BeamState(T, W, beam.prof, beam.comm, used, assign)
 
 
+#: Candidate rows (states x groups) above which :func:`beam_step` takes its large-mesh path. At
+#: 8 devices a step has at most 64 x 15 = 960 rows, so placements there never take it.
+EXACT_ROWS = 1024
+#: Large-mesh path: blocks kept per (state, group size), and rows entering the Pareto filter
+#: (per beam slot).
+BLOCKS_KEPT = 8
+PARETO_ROWS_PER_SLOT = 4
+
+
 def beam_step(pb: Problem, beam: BeamState, i: int, gids: np.ndarray) -> BeamState:
     """Extends every state by sequence ``i`` on each of the groups ``gids``, merges states whose
     per-device loads fall in one ``merge_bin`` cell, and keeps the Pareto front (trimmed to
-    ``beam_width`` by the best state of each criterion, then NSGA-II crowding distance)."""
+    ``beam_width`` by the best state of each criterion, then NSGA-II crowding distance).
+
+    With more than :data:`EXACT_ROWS` candidates (meshes past one node) it scores candidates from
+    per-block load extremes without forming their load vectors, keeps per state and group size
+    the :data:`BLOCKS_KEPT` blocks with the lowest peak overshoot and spread, and filters the
+    ``PARETO_ROWS_PER_SLOT * beam_width`` best by the ranking's order (:func:`_beam_step_large`)."""
     width, merge_bin = pb.config.beam_width, pb.config.merge_bin
     B, C = beam.T.shape[0], len(gids)
+    if B * C > EXACT_ROWS:
+        return _beam_step_large(pb, beam, i, gids)
     gt, gw = pb.rows(np.full(C, i), gids)
     T = (beam.T[:, None, :] + gt[None]).reshape(B * C, pb.N)
     W = (beam.W[:, None, :] + gw[None]).reshape(B * C, pb.N)
@@ -260,3 +276,117 @@ def run_stage(pb: Problem, lo, hi):
         if best_key is None or key < best_key:
             best_key, best = key, a
     return best_key, best
+
+
+def _excluding(x: np.ndarray, largest: bool) -> np.ndarray:
+    """``(B, nb)`` -> ``(B, nb)``: the max (or min) over the other blocks (``-inf`` / ``inf`` when
+    there is none), by the top-2 trick."""
+    B, nb = x.shape
+    fill = -np.inf if largest else np.inf
+    if nb == 1:
+        return np.full_like(x, fill)
+    y = x if largest else -x
+    arg = np.argmax(y, axis=1)
+    top = y[np.arange(B), arg]
+    y2 = y.copy()
+    y2[np.arange(B), arg] = -np.inf
+    second = y2.max(axis=1)
+    out = np.where(np.arange(nb)[None] == arg[:, None], second[:, None], top[:, None])
+    return out if largest else -out
+
+
+def _beam_step_large(pb: Problem, beam: BeamState, i: int, gids: np.ndarray) -> BeamState:
+    """:func:`beam_step` for large meshes (module constants above)."""
+    width, merge_bin = pb.config.beam_width, pb.config.merge_bin
+    B, N = beam.T.shape
+    distinct0 = beam.distinct(pb.multi)
+    shards0 = beam.shards(pb.gsize)
+    gset = set(np.asarray(gids).tolist())
+    rows = []   # per size: (b, block, gid) of the kept candidates and their extremes
+    for g in pb.sizes:
+        nb = N // g
+        gid_blocks = np.asarray([pb.gid[(k * g, g)] for k in range(nb)])
+        if not all(int(x) in gset for x in gid_blocks):
+            continue
+        ext = []
+        for X, add in ((beam.T, pb.mtok[g][i]), (beam.W, pb.mwork[g][i])):
+            Xb = X.reshape(B, nb, g)
+            new = Xb + add[None, None]
+            ext.append((np.maximum(_excluding(Xb.max(axis=2), True), new.max(axis=2)),
+                        np.minimum(_excluding(Xb.min(axis=2), False), new.min(axis=2))))
+        (tmax, tmin), (wmax, wmin) = ext
+        ov = np.maximum(np.maximum(0.0, tmax / pb.Tbar - 1 - pb.eps_t),
+                        np.maximum(0.0, wmax / pb.Wbar - 1 - pb.eps_w))
+        sp = (tmax - tmin) / pb.Tbar + (wmax - wmin) / pb.Wbar
+        new_group = (beam.used[:, gid_blocks] == 0) & pb.multi[gid_blocks][None]
+        keep = min(BLOCKS_KEPT, nb)
+        order = np.lexsort((np.broadcast_to(np.arange(nb), (B, nb)), sp, new_group,
+                            np.round(ov, KEY_DECIMALS)), axis=1)[:, :keep] if nb > keep else \
+            np.broadcast_to(np.arange(nb), (B, nb))
+        b_idx = np.repeat(np.arange(B), order.shape[1])
+        k_idx = order.reshape(-1)
+        rows.append((b_idx, k_idx * g, gid_blocks[k_idx], tmax[b_idx, k_idx], tmin[b_idx, k_idx],
+                     wmax[b_idx, k_idx], wmin[b_idx, k_idx]))
+    src, start, gsel, tmax, tmin, wmax, wmin = (np.concatenate(x) for x in zip(*rows))
+    prof = beam.prof[src] + pb.pdelta[i, gsel]
+    comm = beam.comm[src] + pb.comm[i, gsel]
+    new_group = (beam.used[src, gsel] == 0) & pb.multi[gsel]
+    distinct = distinct0[src] + new_group
+    shards = shards0[src] + pb.gsize[gsel]
+    ov_t = np.maximum(0.0, tmax / pb.Tbar - 1 - pb.eps_t)
+    ov_w = np.maximum(0.0, wmax / pb.Wbar - 1 - pb.eps_w)
+    sp_t = (tmax - tmin) / pb.Tbar
+    sp_w = (wmax - wmin) / pb.Wbar
+    # State merging: one representative per cell of per-device load bins (hash updated on the
+    # group's devices only).
+    bt = np.floor(beam.T / (merge_bin * pb.Tbar)).astype(np.int64)
+    bw = np.floor(beam.W / (merge_bin * pb.Wbar)).astype(np.int64)
+    h_t, h_w = _HASH[:N], _HASH[N:2 * N] if 2 * N <= _HASH.size else _HASH[:N] * 3
+    parent = (bt * h_t[None]).sum(axis=1) + (bw * h_w[None]).sum(axis=1)
+    cell = parent[src].copy()
+    gsz = pb.gsize[gsel]
+    for g in np.unique(gsz).tolist():
+        r = np.nonzero(gsz == g)[0]
+        dev = start[r][:, None] + np.arange(g)[None]
+        b = src[r][:, None]
+        nt_ = np.floor((beam.T[b, dev] + pb.mtok[g][i][None]) / (merge_bin * pb.Tbar)).astype(np.int64)
+        nw_ = np.floor((beam.W[b, dev] + pb.mwork[g][i][None]) / (merge_bin * pb.Wbar)).astype(np.int64)
+        cell[r] += ((nt_ - bt[b, dev]) * h_t[dev]).sum(axis=1) + ((nw_ - bw[b, dev]) * h_w[dev]).sum(axis=1)
+    # the ranking's order among the candidates (V-like overshoot, profile, comm, distinct, spread)
+    peak = np.round(np.maximum(ov_t, ov_w), KEY_DECIMALS)
+    sort_keys = [np.round(sp_t + sp_w, KEY_DECIMALS), distinct, np.round(comm, 3)]
+    sort_keys += [prof[:, c] for c in range(pb.P - 1, -1, -1)]
+    sort_keys += ([shards] if pb.config.rank_shards else []) + [peak, cell]
+    order = np.lexsort(tuple(sort_keys))
+    first = np.r_[True, cell[order][1:] != cell[order][:-1]]
+    surv = order[first]                                    # best row per cell, cells by their best
+    surv = surv[np.lexsort(tuple(k[surv] for k in sort_keys[:-1]))][:PARETO_ROWS_PER_SLOT * width]
+    surv = np.sort(surv)
+    prank = dense_rank(prof[surv])
+    cols = [ov_t[surv], ov_w[surv], sp_t[surv], sp_w[surv], prank, comm[surv], distinct[surv]]
+    if pb.config.rank_shards:
+        cols.append(shards[surv])
+    F = np.round(np.column_stack(cols).astype(np.float64), KEY_DECIMALS)
+    nd = np.nonzero(nondominated(F))[0]
+    if len(nd) > width:
+        Fn = F[nd]
+        elite = []
+        best_of = [Fn[:, 4], Fn[:, 5], Fn[:, 6], Fn[:, 2], Fn[:, 3], np.maximum(Fn[:, 0], Fn[:, 1])]
+        for col in best_of + ([Fn[:, 7]] if pb.config.rank_shards else []):
+            k = int(np.argmin(col))
+            if k not in elite:
+                elite.append(k)
+        rest = np.setdiff1d(np.arange(len(nd)), elite)
+        crowd = crowding_distance(Fn)
+        rest = rest[np.argsort(-crowd[rest], kind="stable")]
+        pick = np.sort(np.concatenate([np.asarray(elite, dtype=np.int64),
+                                       rest[:max(0, width - len(elite))]]))
+        nd = nd[pick]
+    chosen = surv[nd]
+    b, g = src[chosen], gsel[chosen]
+    gt, gw = pb.rows(np.full(len(chosen), i), g)
+    used = beam.used[b].copy()
+    used[np.arange(len(chosen)), g] += 1
+    assign = beam.assign[b].copy()
+    assign[:, i] = g
+    return BeamState(beam.T[b] + gt, beam.W[b] + gw, prof[chosen], comm[chosen], used, assign)

@@ -58,6 +58,14 @@ class BuddyRingConfig:
       rank_shards: rank the shard count right after ``V`` (before the splitting profile) in the
         beam, repair and final choice: fewer shards instead of the paper's protection of short
         sequences.
+      block_search: on more than 8 devices and more than ``gmax = min(N, max_group_size)``, plan
+        block by block (:mod:`.blocks`: every legal group lies inside one block of ``gmax``
+        devices): balance the blocks, then run the one-node search in each. ``False``: one
+        search over every aligned group of the mesh (minutes at 128 devices).
+      max_stages: relaxation stages to run at most: the first ``max_stages - 1`` and the last
+        (every legal group), or only the first for 1 (``None``: all, the paper's; the block
+        search runs 2 per block, and 1 without the min-shard candidates for a block whose mean
+        alone is outside a tolerance: nothing can meet it).
     """
 
     token_tol: float = 0.10
@@ -78,6 +86,8 @@ class BuddyRingConfig:
     min_shards: bool = True
     max_shards: int | str | None = None
     rank_shards: bool = False
+    block_search: bool = True
+    max_stages: int | None = None
 
     def __post_init__(self):
         for name in ("token_tol", "attn_tol", "merge_bin", "smax_lambda"):
@@ -89,6 +99,8 @@ class BuddyRingConfig:
         for name in ("beam_width", "refine_top", "extreme_gpus", "seqs_per_gpu"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}")
+        if self.max_stages is not None and int(self.max_stages) < 1:
+            raise ValueError(f"max_stages must be None or an int >= 1, got {self.max_stages}")
         if int(self.repair_iters) < 0:
             raise ValueError(f"repair_iters must be an int >= 0, got {self.repair_iters}")
         if not is_pow2(int(self.max_group_size)):

@@ -1,0 +1,89 @@
+"""BuddyRing planning time against device count and sequence count (issue 21, item 4).
+
+Cases are data (:data:`CASES`): a dataset, a sequence count ``S`` (the first ``S`` sequences of a
+large seeded batch of that distribution) and the device counts; plus the one-node check (the
+median per 128K batch on 8 devices, 20 batches per distribution). Prints a table and writes JSON.
+Times are wall-clock and process CPU time per ``buddyring_search`` call (the machine may be
+shared: CPU time is the planner's own cost).
+
+    python benchmarks/placement_scaling.py [--seeds 3] [--out benchmarks/results/placement_scaling.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from liquidcp_jax.placement import buddyring_search  # noqa: E402
+from liquidcp_jax.workloads import sample_batch  # noqa: E402
+
+DATASETS = ("arxiv", "freelaw", "github", "pilecc", "prolong")
+#: (dataset, sequences, devices): the growth with devices at 200 sequences, and with sequences.
+CASES = ([(ds, 200, n) for ds in DATASETS for n in (8, 64, 128, 256)]
+         + [(ds, s, n) for ds in ("arxiv", "pilecc") for s in (50, 100, 400) for n in (8, 64, 256)])
+ONE_NODE = [(ds, "128K", 8) for ds in DATASETS]
+
+
+def timed(lengths, devices):
+    t0, c0 = time.perf_counter(), time.process_time()
+    r = buddyring_search(lengths, devices)
+    return time.perf_counter() - t0, time.process_time() - c0, r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--one-node-batches", type=int, default=20)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "placement_scaling.json"))
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"{'dataset':>8} {'S':>4} {'N':>4} {'wall ms (median/max)':>21} {'cpu ms (median/max)':>20} "
+          f"{'feasible':>8} {'D_T %':>6} {'D_W %':>6} {'shards':>6}")
+    for ds, S, n in CASES:
+        wall, cpu, rec = [], [], []
+        for seed in range(args.seeds):
+            lengths = sample_batch(ds, "8M", seed)[:S]
+            w, c, r = timed(lengths, n)
+            wall.append(w)
+            cpu.append(c)
+            rec.append((bool(r.feasible), r.d_t, r.d_w, r.placement.num_shards))
+        row = {"dataset": ds, "sequences": S, "devices": n, "wall_ms": [x * 1e3 for x in wall],
+               "cpu_ms": [x * 1e3 for x in cpu], "feasible": [x[0] for x in rec],
+               "d_t": [x[1] for x in rec], "d_w": [x[2] for x in rec], "shards": [x[3] for x in rec]}
+        rows.append(row)
+        print(f"{ds:>8} {S:>4} {n:>4} {np.median(wall) * 1e3:>10.0f} / {max(wall) * 1e3:>8.0f} "
+              f"{np.median(cpu) * 1e3:>9.0f} / {max(cpu) * 1e3:>8.0f} "
+              f"{sum(x[0] for x in rec):>5}/{len(rec):<2} {np.mean(row['d_t']) * 100:>6.1f} "
+              f"{np.mean(row['d_w']) * 100:>6.1f} {np.mean(row['shards']):>6.0f}", flush=True)
+    one = []
+    print(f"\none node: median per 128K batch on 8 devices ({args.one_node_batches} batches)")
+    for ds, budget, n in ONE_NODE:
+        wall, cpu = [], []
+        for seed in range(args.one_node_batches):
+            w, c, _ = timed(sample_batch(ds, budget, seed), n)
+            wall.append(w)
+            cpu.append(c)
+        one.append({"dataset": ds, "budget": budget, "devices": n, "wall_ms": [x * 1e3 for x in wall],
+                    "cpu_ms": [x * 1e3 for x in cpu]})
+        print(f"{ds:>8} {budget:>5} {n:>3}  wall median {np.median(wall) * 1e3:6.1f} ms  "
+              f"cpu median {np.median(cpu) * 1e3:6.1f} ms  (max {max(wall) * 1e3:6.1f} / "
+              f"{max(cpu) * 1e3:6.1f})", flush=True)
+    meta = {"command": " ".join(["python", "benchmarks/placement_scaling.py"] + (argv or sys.argv[1:])),
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "cases": rows, "one_node": one}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
