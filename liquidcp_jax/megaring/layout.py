@@ -5,8 +5,8 @@ The layout rule (one rule for every backend):
 1. **Chunks.** A sequence of length ``L`` on an aligned group of ``g`` devices is cut into ``2g``
    zigzag chunks of *valid* lengths as equal as possible: ``floor(L / 2g)`` tokens each, plus one
    for ``r = L mod 2g`` of them, the first ``r`` chunks when ``r <= g`` and the last ``r``
-   otherwise (``placement.metrics.zigzag_chunk_lengths``: the split with the smallest work spread
-   among those with equal tokens up to one); chunk ``j`` starts at the sum of the earlier
+   otherwise (``placement.metrics.zigzag_chunk_lengths``; members' work then differs by at most
+   ``L`` pairs); chunk ``j`` starts at the sum of the earlier
    chunks' lengths. Member ``p`` (device ``start + p``) holds chunks ``p`` (front) and
    ``2g - 1 - p`` (back). A local sequence (``g = 1``) is its two chunks, i.e. the whole
    sequence in order.
@@ -20,7 +20,7 @@ The layout rule (one rule for every backend):
 Consequences the executors and the planner rely on:
 
 * every member holds the same valid tokens up to one and the same causal work up to one
-  token's keys (fewer than ``L`` pairs; none when ``2g`` divides ``L``; ``metrics.member_loads``
+  token's keys (at most ``L`` pairs; none when ``2g`` divides ``L``; ``metrics.member_loads``
   counts both exactly): padding never unbalances the ring;
 * rows are tokens: a device's rows in use are its valid tokens, so a capacity close to the
   busiest device's tokens is a layout close to the real token count;

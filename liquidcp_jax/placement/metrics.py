@@ -13,8 +13,8 @@ positions (``tests/test_balance.py``).
 Tile granularity is deliberately *not* modelled: no backend pays per sequence for a partial
 tile any more (the layout packs sequences back to back, the Pallas kernels run packed segments,
 the XLA executor runs whole tiles of the packed buffer), so the only tile overhead is where a
-tile straddles two sequences, which no placement can move.  ``benchmarks/balance.py`` reports
-the XLA executor's tile pairs per device next to these figures (``docs/decisions.md``).
+tile straddles two sequences, which no placement can move.  ``benchmarks/executed_balance.py``
+counts the executed figures from ``plan.shard`` next to these (``docs/results.md``, issue 21).
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def zigzag_chunk_lengths(length, size):
     for ``r = L mod 2g`` of them: the first ``r`` chunks when ``r <= g``, else the last ``r``.
     Chunk ``j`` starts at position ``sum`` of the earlier ones.
 
-    Members then hold equal tokens up to one, and their causal work differs by at most
-    ``(min(r, 2g - r) - 1) (2c + 1) < L`` (one token's keys at most): among the splits with token counts within
-    one, the smallest spread (an exhaustive search over the ``2g``-choose-``r`` placements of the
-    extra tokens for ``g <= 8`` finds no smaller one; ``tests/test_balance.py``).
+    Members then hold equal tokens up to one, and their causal work differs by at most ``L``
+    pairs (one token's keys). For ``g <= 4`` no other choice of the ``r`` longer chunks has a
+    smaller work spread (exhaustive search, ``tests/test_balance.py``); for ``g = 8`` and
+    ``r = g`` one has (``L = 88``: 77 pairs against 71), within the same ``L``-pair bound.
 
     Args:
       length: int or ``(S,)`` int array of sequence lengths; size: the group size ``g`` (an int).
