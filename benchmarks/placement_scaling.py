@@ -6,7 +6,7 @@ median per 128K batch on 8 devices, 20 batches per distribution). Prints a table
 Times are wall-clock and process CPU time per ``buddyring_search`` call (the machine may be
 shared: CPU time is the planner's own cost).
 
-    python benchmarks/placement_scaling.py [--seeds 3] [--out benchmarks/results/placement_scaling.json]
+    python benchmarks/placement_scaling.py [--seeds 3] [--out benchmarks/results/latest/placement_scaling.json]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--one-node-batches", type=int, default=20)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest",
                                                   "placement_scaling.json"))
     args = ap.parse_args(argv)
     rows = []
