@@ -16,8 +16,8 @@ and the demo's Pile-CC 4K / 16K batches (tile 64), on 8 devices, ``--batches`` s
 * **rows per real token**: ``N * C / T`` for the plan's own capacity (``C`` rounded up to a
   fine bucket, :func:`megaring.capacity.bucket_tiles`) and for the pinned
   ``megaring.capacity_for(T, mesh)`` a training loop would use;
-* **planning time**: wall-clock of ``plan_megaring`` (placement + layout + tables) and of the
-  BuddyRing placement alone.
+* **planning time**: wall-clock and process CPU time (the machine may be shared) of
+  ``plan_megaring`` (placement + layout + tables) and of the BuddyRing placement alone; medians.
 
 Prints a table (medians / maxima over the batches) and writes
 ``benchmarks/results/latest/executed_balance.json`` (every batch's figures).
@@ -76,12 +76,12 @@ def measure_batch(lengths, mesh, tile: int) -> dict:
     from liquidcp_jax import placement as placement_lib
 
     T = int(np.sum(lengths))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     pl = placement_lib.buddyring(lengths, 8)
-    t_place = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t_place, c_place = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = lcp.plan_megaring(lengths, mesh, placement="buddyring", tile_size=tile)
-    t_plan = time.perf_counter() - t0
+    t_plan, c_plan = time.perf_counter() - t0, time.process_time() - c0
     tok, work = executed_loads(plan, lengths)
     m_dt, m_dw = placement_lib.imbalance(plan.placement)
     wit = lcp.plan_megaring(lengths, mesh, placement="all_cp", tile_size=tile)
@@ -101,6 +101,7 @@ def measure_batch(lengths, mesh, tile: int) -> dict:
             "rows_per_token": N * plan.static.local_capacity / T,
             "rows_per_token_pinned": N * pinned.static.local_capacity / T,
             "plan_ms": t_plan * 1e3, "placement_ms": t_place * 1e3,
+            "plan_cpu_ms": c_plan * 1e3, "placement_cpu_ms": c_place * 1e3,
             "shards": int(plan.placement.num_shards)}
 
 
@@ -122,6 +123,9 @@ def measure(case: H.Case, mesh, batches: int) -> dict:
             "rows_per_token_pinned_max": col("rows_per_token_pinned").max(),
             "plan_ms_median": float(np.median(col("plan_ms"))), "plan_ms_max": col("plan_ms").max(),
             "placement_ms_median": float(np.median(col("placement_ms"))),
+            "placement_ms_max": col("placement_ms").max(),
+            "placement_cpu_ms_median": float(np.median(col("placement_cpu_ms"))),
+            "plan_cpu_ms_median": float(np.median(col("plan_cpu_ms"))),
             "per_batch": per}
 
 
@@ -129,7 +133,8 @@ TABLE = H.Table(("case", "<18"), ("n", ">3"), ("exec D_T max", ">12.2f", "%"),
                 ("exec D_W max", ">12.2f", "%"), ("model D_T max", ">13.2f", "%"),
                 ("model D_W max", ">13.2f", "%"), ("|exec-model|", ">12.3f", "pp"),
                 ("met/reach", ">9"), ("rows/tok med", ">12.3f"), ("rows/tok max", ">12.3f"),
-                ("pinned max", ">10.3f"), ("place ms", ">8.1f"), ("plan ms", ">8.1f"))
+                ("pinned max", ">10.3f"), ("place ms", ">8.1f"), ("place cpu", ">9.1f"),
+                ("plan ms", ">8.1f"), ("plan cpu", ">8.1f"))
 
 
 def main(argv=None) -> int:
@@ -151,7 +156,8 @@ def main(argv=None) -> int:
                          100 * r["model_d_t_max"], 100 * r["model_d_w_max"],
                          100 * r["max_exec_model_diff"], f"{r['met']}/{r['reachable']}",
                          r["rows_per_token_median"], r["rows_per_token_max"],
-                         r["rows_per_token_pinned_max"], r["placement_ms_median"], r["plan_ms_median"])
+                         r["rows_per_token_pinned_max"], r["placement_ms_median"],
+                         r["placement_cpu_ms_median"], r["plan_ms_median"], r["plan_cpu_ms_median"])
                         for r in rows]))
     missed = [(r["case"], b) for r in rows for b in r["per_batch"] if b["reachable"] and not b["met"]]
     print(f"batches where a placement meets D_T <= 10 % and D_W <= 5 % but BuddyRing's executed "

@@ -99,6 +99,18 @@ def test_megadcp_decode_traces_once_for_20_mooncake_steps(rng):
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("P,hq,hkv", [(2, 8, 2), (4, 4, 1)])
+def test_megadcp_capacity_for_holds_every_replay_step(P, hq, hkv):
+    # Planning only (no execution): every step of 40 decode steps fits, with several KV heads too.
+    mesh = jax.make_mesh((P,), ("dcp",), devices=jax.devices()[:P])
+    caps = dcp_capacity.capacity_for(8, 8 * 16, 2048, mesh, num_q_heads=hq, num_kv_heads=hkv,
+                                     tile=16, max_query_per_request=16)
+    for hist, ql in _decode_steps(40, 64):
+        plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=hq, num_kv_heads=hkv, tile=16,
+                                capacities=caps)
+        assert dcp_capacity.fits_capacity(plan, caps) is None
+
+
 def test_megadcp_capacity_for_rejects_bad_limits():
     mesh = jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="max_requests"):

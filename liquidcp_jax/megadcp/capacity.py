@@ -40,16 +40,16 @@ def _positive(name, v):
 
 
 def capacity_for(max_requests: int, max_query_tokens: int, max_history: int, mesh: Mesh,
-                 axis_name: str = "dcp", *, num_q_heads: int, max_query_per_request: int | None = None,
-                 head_dim: int | None = None, tile: int = 128, rows_per_tile: int = 128,
+                 axis_name: str = "dcp", *, num_q_heads: int, num_kv_heads: int = 1,
+                 max_query_per_request: int | None = None, head_dim: int | None = None, tile: int = 128, rows_per_tile: int = 128,
                  min_capacity: int = 8, num_comm_ctas: int = 16, params=None) -> dict:
     """Capacities (``plan_megadcp(..., capacities=...)``) for any step with at most
     ``max_requests`` requests, ``max_query_tokens`` query tokens in all, at most
     ``max_query_per_request`` (default ``max_query_tokens``) per request and at most
     ``max_history`` cached tokens per request (module docstring: the bound).
 
-    ``tile``, ``rows_per_tile``, ``min_capacity``, ``num_comm_ctas``, ``head_dim`` and ``params``
-    must be those the steps are planned with.
+    ``num_kv_heads``, ``tile``, ``rows_per_tile``, ``min_capacity``, ``num_comm_ctas``,
+    ``head_dim`` and ``params`` must be those the steps are planned with.
     """
     from liquidcp_jax.megadcp.plan import plan_megadcp
 
@@ -64,12 +64,14 @@ def capacity_for(max_requests: int, max_query_tokens: int, max_history: int, mes
     Qmax = Tq if max_query_per_request is None else min(_positive("max_query_per_request",
                                                                   max_query_per_request), Tq)
     P = int(mesh.shape[axis_name])
-    heads = _positive("num_q_heads", num_q_heads)
+    hkv = _positive("num_kv_heads", num_kv_heads)
+    heads = _positive("num_q_heads", num_q_heads) // hkv     # H: the query heads of one KV head
     tile = _positive("tile", tile)
     tiles0 = -(-(-(-Hmax // P)) // tile)                  # rank 0's history tiles of one request
     hist, qlen = [Hmax] * R, [Qmax] * R
-    kw = dict(num_q_heads=heads, head_dim=head_dim, tile=tile, rows_per_tile=rows_per_tile,
-              min_capacity=min_capacity, num_comm_ctas=num_comm_ctas, params=params, engine=False)
+    kw = dict(num_q_heads=int(num_q_heads), num_kv_heads=hkv, head_dim=head_dim, tile=tile,
+              rows_per_tile=rows_per_tile, min_capacity=min_capacity, num_comm_ctas=num_comm_ctas,
+              params=params, engine=False)
     caps: dict = {}
     for splits in ([tiles0] * R, [1] * R):
         c = plan_megadcp(hist, qlen, mesh, axis_name, splits=splits, **kw).capacity

@@ -7,7 +7,7 @@ can pin one for its whole run and compile its jitted step once.
         plan = lcp.plan_megaring(lengths, mesh, capacity=cap)       # same static part, same shapes
         state = step(state, tokens, plan)                           # one trace for the whole run
 
-A capacity fixes (``docs/decisions.md``, "One exchange schedule for every group size"):
+A capacity fixes (the layout rule and the exchange: :mod:`.layout`'s docstring):
 
 * ``tiles``: rows per device ``C = tiles * B`` of the packed layout (:mod:`.layout`: rows are
   tokens, so ``C`` close to the busiest device's tokens is a tight layout);
