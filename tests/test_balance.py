@@ -115,3 +115,17 @@ def test_zigzag_split_spread(g):
                 assert spread == _min_spread(g, c, r), (g, L)
     for L in range(1, 50 * g):
         assert int(np.ptp(member_loads(L, g)[1])) <= L
+
+
+def test_executed_balance_benchmark_smoke(tmp_path):
+    # The benchmark's own count (from plan.shard) and its report, on one small batch.
+    import json
+
+    from benchmarks import executed_balance as eb
+    out = tmp_path / "eb.json"
+    assert eb.main(["--batches", "1", "--cases", "demo-pilecc-4K", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["max_exec_model_diff"] <= 0.01
+    b = row["per_batch"][0]
+    assert b["tokens"] == 4096 and b["reachable"]
+    assert 1.0 <= b["rows_per_token"] <= 1.15
