@@ -1,5 +1,7 @@
 """MegaRing engine kernels on the CPU: the staged transfer launch of the communication workers
-(emulated ranks) in the Mosaic GPU interpreter vs a NumPy gather, and its lowering for sm_90a."""
+(emulated ranks) in the Mosaic GPU interpreter vs a NumPy gather; the lowering for sm_90a of
+the staged and fused launches and of the inline-PTX atomics (megaring_sync). Lowering checks
+the Pallas -> Mosaic GPU step only: PTX is assembled on a GPU."""
 import numpy as np
 import pytest
 import jax
@@ -7,7 +9,12 @@ import jax.numpy as jnp
 
 from liquidcp_jax.megaring import engine_protocol as ep
 from liquidcp_jax.megaring.layout import build_layout
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
 from liquidcp_jax.pallas import megaring_engine as me
+from liquidcp_jax.pallas import megaring_sync as ms
 from liquidcp_jax.pallas import megaring_transport as mt
 
 
@@ -42,15 +49,56 @@ def test_transfer_launch_interpret_matches_numpy(rng, case):
         written[dst:dst + B] = True
     assert written.sum() == len(tb.xfer) * B > 0
     assert np.isnan(out[~written]).all()    # the interpreter's NaN memory: nothing else written
-    rows, off = me.transfer_lists(tb, g)
+    rows, off, _ = me.transfer_lists(tb, g)
     assert len(off) == g.num_ranks * comm + 1 and off[-1] == len(tb.xfer)
 
 
-def test_transfer_launch_lowers_for_sm90():
+@pytest.mark.parametrize("fused", [False, True])
+def test_transfer_launch_lowers_for_sm90(fused):
     _, tb, g = _plan(*CASES[0][0], 2)
-    f = jax.jit(lambda x: me.transfer_launch(x, tb, g))
+    f = jax.jit(lambda x: me.transfer_launch(x, tb, g, fused=fused))
     txt = f.trace(jax.ShapeDtypeStruct((g.num_ranks * g.rows, 128), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+def sync_kernel(G, N):
+    """A test kernel of the atomics (device counters zeroed by XLA): every CTA takes N tickets
+    from one counter (fetch_add), increments a plain cell N times under the lock (load_acquire +
+    store_release: lost updates without mutual exclusion), and tries N CAS 0 -> 1 on its own flag
+    (the first succeeds); the last CTA to finish (a done counter) reads the cell out.
+    Outputs: tickets [G * N] (a permutation of 0 .. G*N - 1), cell [1] (G * N), cas_ok [G] (1)."""
+    def kernel(tickets_ref, cell_out, cas_ref):
+        c = lax.axis_index("sm")
+        ctr = pl.get_global(plgpu.SemaphoreType.REGULAR((4 + G,)))   # ticket, lock, cell, done
+        at = lambda i: ctr.at[pl.ds(i, 1)]  # noqa: E731
+
+        def body(scr):
+            def one(i, ok):
+                tickets_ref[c * N + i] = ms.fetch_add(at(0), scr, 1)
+                ms.lock_acquire(at(1), scr)
+                v = ms.load_acquire(at(2), scr)
+                ms.store_release(at(2), v + 1)
+                ms.lock_release(at(1))
+                old = ms.compare_and_swap(at(4 + c), scr, 0, 1)
+                return ok + jnp.where(old == 0, 1, 0)
+            cas_ref[c] = lax.fori_loop(0, N, one, jnp.int32(0))
+            last = ms.fetch_add(at(3), scr, 1)
+
+            @pl.when(last == G - 1)
+            def _():
+                cell_out[0] = ms.load_acquire(at(2), scr)
+
+        pl.run_scoped(body, plgpu.SMEM((1,), jnp.int32))
+
+    return plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct((G * N,), jnp.int32),
+                                          jax.ShapeDtypeStruct((1,), jnp.int32),
+                                          jax.ShapeDtypeStruct((G,), jnp.int32)),
+                        grid=(G,), grid_names=("sm",))
+
+
+def test_sync_atomics_lower_for_sm90():
+    txt = jax.jit(sync_kernel(4, 8)).trace().lower(lowering_platforms=("cuda",)).as_text()
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
 
@@ -61,6 +109,8 @@ def test_transfer_validation():
         me.transfer_launch(kv[:8], tb, g)
     with pytest.raises(ValueError, match="dtype"):
         me.transfer_launch(kv.astype(jnp.int32), tb, g)
+    with pytest.raises(ValueError, match="fused"):
+        me.transfer_launch(kv, tb, g, fused=True, interpret=True)
     with pytest.raises(ValueError, match="geom"):
         me.transfer_lists(tb, mt.RingGeometry(g.num_ranks, g.tiles + 1, g.tile_size, g.send_tiles))
     bad = tb.xfer.copy()
