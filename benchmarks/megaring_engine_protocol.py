@@ -10,16 +10,17 @@ units (one KV tile of compute = 1, ``--transfer`` per tile issued, 1 + width per
 show how the rule behaves under a cost model, not how fast a GPU is.
 
   python -m benchmarks.megaring_engine_protocol [--datasets arxiv,freelaw,pilecc]
-      [--tokens 64K] [--devices 8] [--ctas 16] [--batches 1] [--out PATH]
+      [--tokens 64K,128K] [--devices 4,8] [--ctas N (default 132 // devices)] [--batches 2]
+      [--out PATH (default benchmarks/results/latest/megaring_engine_protocol.json)]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
+from benchmarks import harness as H
 from liquidcp_jax import placement as placement_lib
 from liquidcp_jax.megaring import engine_protocol as ep
 from liquidcp_jax.megaring.layout import build_layout
@@ -58,27 +59,25 @@ def run_one(dataset, tokens, seed, devices, tile, ctas, comm, task_tiles, delay,
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--datasets", default="arxiv,freelaw,pilecc")
-    ap.add_argument("--tokens", default="64K")
-    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--tokens", default="64K,128K")
+    ap.add_argument("--devices", default="4,8")
     ap.add_argument("--tile", type=int, default=128)
-    ap.add_argument("--ctas", type=int, default=16, help="CTAs per rank (132 SMs / ranks)")
+    ap.add_argument("--ctas", type=int, default=None, help="CTAs per rank (default 132 // devices)")
     ap.add_argument("--comm", type=int, default=2, help="communication workers per rank")
     ap.add_argument("--task-tiles", type=int, default=8)
     ap.add_argument("--delay", default="random")
     ap.add_argument("--transfer", type=float, default=0.5)
-    ap.add_argument("--batches", type=int, default=1)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--out", default=H.latest("megaring_engine_protocol.json"))
     a = ap.parse_args(argv)
-    rows = []
-    for ds in a.datasets.split(","):
-        for seed in range(a.batches):
-            r = run_one(ds, parse_tokens(a.tokens), seed, a.devices, a.tile, a.ctas, a.comm,
-                        a.task_tiles, a.delay, a.transfer)
-            print(json.dumps(r), flush=True)
-            rows.append(r)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    rep = H.Report("benchmarks/megaring_engine_protocol.py", a.out, argv, devices=False)
+    for tokens in H.parse_list(a.tokens):
+        for devices in (int(x) for x in H.parse_list(a.devices)):
+            ctas = a.ctas or 132 // devices
+            for ds in H.parse_list(a.datasets):
+                for seed in range(a.batches):
+                    rep.add(run_one(ds, parse_tokens(tokens), seed, devices, a.tile, ctas, a.comm,
+                                    a.task_tiles, a.delay, a.transfer))
 
 
 if __name__ == "__main__":

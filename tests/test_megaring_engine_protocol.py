@@ -214,3 +214,16 @@ def test_validation():
         ep.SimConfig(inflight=0)
     with pytest.raises(ValueError, match="comm_per_rank"):
         ep.cta_roles(4, 1, 2)
+
+
+def test_benchmark_smoke(tmp_path):
+    import json
+    from benchmarks import megaring_engine_protocol as bench
+    out = tmp_path / "r.json"
+    bench.main(["--datasets", "pilecc", "--tokens", "8K", "--devices", "4", "--batches", "1",
+                "--tile", "64", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    (row,) = rep["rows"]
+    assert rep["meta"]["script"].endswith("megaring_engine_protocol.py")
+    assert row["tokens"] == 8192 and row["tasks"] <= row["one_tile_tasks"]
+    assert sum(int(k) * v for k, v in row["width_hist"].items()) == row["one_tile_tasks"]
