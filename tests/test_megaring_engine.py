@@ -117,3 +117,50 @@ def test_transfer_validation():
     bad[0, ep.XF["recv_slot"]] += 1
     with pytest.raises(ValueError, match="recv_slot"):
         me.transfer_lists(ep.EngineTables(**{**tb.__dict__, "xfer": bad}), g)
+
+
+FWD_CASES = [
+    # (plan args, comm_per_rank, ctas_per_rank, D, dtype)
+    (([700, 300, 90, 1000], [0, 2, 1, 0], [2, 2, 1, 4], 4, 64), 1, 3, 128, jnp.bfloat16),
+    (([300, 77, 1000, 40, 5, 129], [0, 2, 0, 3, 1, 4], [2, 1, 8, 1, 1, 4], 8, 128), 2, 2, 64,
+     jnp.float16),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FWD_CASES)))
+def test_forward_skeleton_lowers_for_sm90(case):
+    args, comm, ctas, d, dtype = FWD_CASES[case]
+    _, tb, g = _plan(*args, comm)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), dtype)
+    f = jax.jit(lambda q, k, v: me.forward_launch(q, k, v, tb, g, scale=0.1, ctas_per_rank=ctas))
+    txt = f.trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+def test_forward_tables_and_validation():
+    _, tb, g = _plan(*FWD_CASES[0][0], 1)
+    t = me.forward_tables(tb, g)
+    sg = tb.seg.astype(np.int64)
+    tot = sg[:, ep.SF["n_local"]] + sg[:, ep.SF["n_remote"]]
+    assert t["rank_total"].sum() == tot.sum() == tb.tile_total.sum()
+    used = t["slot_src"] >= 0
+    assert used.sum() == len(tb.xfer)
+    # every receive slot's source row is its owner's tile start
+    R = g.recv_tiles
+    for x in tb.xfer:
+        d, o, b, s = (int(x[ep.XF[k]]) for k in ("rank", "owner", "owner_tile", "recv_slot"))
+        assert t["slot_src"][d * R + s] == o * g.rows + b * g.tile_size
+    q = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="ctas_per_rank"):
+        me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=0)
+    with pytest.raises(ValueError, match="dtype"):
+        me.forward_launch(q.astype(jnp.float32), q.astype(jnp.float32), q.astype(jnp.float32), tb,
+                          g, scale=0.1, ctas_per_rank=2)
+    with pytest.raises(ValueError, match="delay_ns"):
+        me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=2, delay_ns=[1])
+    with pytest.raises(ValueError, match="rows"):
+        me.forward_launch(q[:64], q[:64], q[:64], tb, g, scale=0.1, ctas_per_rank=2)
+    _, tbn, _ = _plan(*FWD_CASES[0][0], 1)
+    with pytest.raises(ValueError, match="causal"):
+        me.forward_launch(q, q, q, ep.EngineTables(**{**tbn.__dict__, "causal": False}), g,
+                          scale=0.1, ctas_per_rank=2)

@@ -1,27 +1,38 @@
-"""MegaRing engine on Hopper (Pallas Mosaic GPU), emulated ranks: the communication side so far.
+"""MegaRing engine on Hopper (Pallas Mosaic GPU), emulated ranks.
 
-What exists: the **transfer launch** of the engine's communication workers on emulated ranks
-(:mod:`megaring_transport`'s :class:`~megaring_transport.EmulatedTransport`): one CTA per
-(rank, worker) walks its list of the engine tables' transfers
-(:func:`liquidcp_jax.megaring.engine_protocol.build_engine_tables`, host order: class 0 tiles
-first) and moves each remote KV tile ``[B, D]`` from the owner's slice of the stacked KV array
-into the rank's slot of the stacked receive buffer: TMA load into SMEM (two slots), then TMA
-store.
+**Transfer launch** (:func:`transfer_launch`): the engine's communication workers on emulated
+ranks (:class:`~megaring_transport.EmulatedTransport`): one CTA per (rank, worker) walks its list
+of the engine tables' transfers (:func:`liquidcp_jax.megaring.engine_protocol.build_engine_tables`,
+host order: class 0 tiles first) and moves each remote KV tile ``[B, D]`` from the owner's slice of
+the stacked KV array into the rank's slot of the stacked receive buffer (TMA load into SMEM, TMA
+store). ``fused=False``: no counters (runs in the Mosaic GPU interpreter); ``fused=True``: after
+each tile's store completes (``wait_smem_to_gmem(0)``) the worker inserts it into each of its
+streams: reserve the next slot of the tile's class (:func:`megaring_sync.fetch_add` on a
+``pl.get_global`` counter), release-store the map entry, publish in reservation order
+(``semaphore_wait`` until the class's published count reaches the slot, then a release add).
 
-* ``fused=False`` (staged): no counters; the receive buffers are complete when the launch ends.
-  Runs in the Mosaic GPU interpreter on the CPU and lowers for sm_90a.
-* ``fused=True``: after each tile's store completes (``wait_smem_to_gmem(0)``) the worker
-  inserts it into each of its streams as :mod:`liquidcp_jax.megaring.engine_protocol` describes:
-  reserve the next slot of the tile's class (:func:`megaring_sync.fetch_add` on a
-  ``pl.get_global`` counter), store the map entry (release), then publish in reservation order
-  (``pl.semaphore_wait`` until the class's published count reaches the reserved slot, then a
-  release add). The launch also returns the map it built (``[map_size]`` receive slots in
-  commit order) for tests. Lowers for sm_90a on the CPU; GPU tests written, not yet run. The
-  interpreter has no semaphores or inline PTX, so it cannot run this mode.
+**Fused forward skeleton** (:func:`forward_launch`, GPU only, one head): ``G = P * K`` CTAs of one
+warpgroup; CTAs ``0 .. P*W - 1`` are the workers above (K and V per transfer) and then compute for
+their rank, the others compute from the start. A compute CTA repeatedly scans its rank's
+segments for one with ``R - C >= tau_min`` (or a final remainder; ``R`` from the published stream
+prefix with the front-half barrier, exactly :mod:`~liquidcp_jax.megaring.engine_protocol`'s
+rule), claims ``[C, E)`` with a CAS on ``C``, adds the width to the rank's claimed count, and
+runs the task as two 64-row halves: Q half by TMA, then per logical tile the local tile or the
+mapped receive slot (K, V and the keys' sequence ids / positions by TMA), ``S = Q K^T`` (wgmma),
+the mask by sequence id (the segment's) and position, online softmax, ``P V`` (wgmma). The
+half's (out, LSE) is merged into the f32 running state under the (Q tile, half) lock (Eq. 1; the
+first merge, ``merged == 0``, initialises it) and the merge that brings ``merged`` to the Q
+tile's total writes the output rows. A CTA stops when its rank's claimed count reaches the rank's
+tile total. Deadlock freedom: the module docstring of ``engine_protocol`` (all CTAs resident:
+``G`` at most the SM count and one CTA per SM by SMEM).
 
-What does not exist yet (issue 25): compute CTAs that claim ``[C, E)`` (``compare_and_swap`` on
-the segment's ``C``) against the published counts, attend the coalesced tiles and merge under the
-per-Q-tile lock (:func:`megaring_sync.lock_acquire`), in the same launch; the backward.
+Not tuned and not yet run: no KV pipelining or ping-pong (one warpgroup, synchronous TMA per
+tile), the scan reads every segment's counters per claim, one head per launch, forward only.
+Lowered for sm_90a on the CPU; ``tests/test_megaring_engine_gpu.py`` holds its GPU tests (float64
+reference, pairs counted through the LSE with zero queries, perturbed arrival orders), never run.
+Open risk to check there: the running state is written by TMA (async proxy) in one CTA and read by
+TMA in the next lock holder, ordered by the lock's release / acquire after
+``wait_smem_to_gmem(0)``, the collective-matmul pattern.
 """
 from __future__ import annotations
 
@@ -173,3 +184,346 @@ def transfer_launch(kv, tb: ep.EngineTables, geom: RingGeometry, *, fused: bool 
     args = [jnp.asarray(pad(rows, 2)), jnp.asarray(off), jnp.asarray(pad(xins, 3)),
             jnp.asarray(pad(tb.ins.astype(np.int32), 2)), jnp.asarray(pad(st, 3)), kv]
     return call(*args)
+
+
+# ----------------------------------------------------------------------------- fused forward
+
+_BQ = 64   # query rows per half task (one warpgroup's wgmma M)
+
+
+def forward_tables(tb: ep.EngineTables, geom: RingGeometry) -> dict:
+    """Host: the int32 arrays the fused forward launch reads (NumPy).
+
+    ``rows / off / xins``: :func:`transfer_lists`; ``ins``; ``stream [S, 3]`` (front, total,
+    map_start); ``seg [n_seg, SEG_FIELDS]``, ``seg_off (P + 1,)``, ``seg_local``;
+    ``tile_total [P * n]``; ``rank_total (P,)`` tiles of all segments of each rank (the
+    termination count); ``slot_src [P * R]`` stacked source row of every receive slot (key
+    metadata; ``-1``: unused); ``cta_rank (G,)`` the rank each CTA computes for; ``tok_seq`` /
+    ``tok_pos [P * C]``.
+    """
+    rows, off, xins = transfer_lists(tb, geom)
+    P, W = tb.num_ranks, tb.comm_per_rank
+    R = max(geom.recv_tiles, 1)
+    slot_src = np.full(P * R, -1, np.int64)
+    for x in tb.xfer:
+        d, o, b, s = (int(x[ep.XF[k]]) for k in ("rank", "owner", "owner_tile", "recv_slot"))
+        slot_src[d * R + s] = o * geom.rows + b * geom.tile_size
+    sg = tb.seg.astype(np.int64)
+    tot = sg[:, ep.SF["n_local"]] + sg[:, ep.SF["n_remote"]]
+    rank_total = np.bincount(sg[:, ep.SF["rank"]], tot, minlength=P)
+    i32 = lambda a, w=None: (np.asarray(a, np.int32) if w is None  # noqa: E731
+                             else np.asarray(a, np.int32).reshape(-1, w))
+    nz = lambda a, w: a if a.shape[0] else np.zeros((1, w), np.int32)  # noqa: E731
+    return {
+        "rows": nz(i32(rows, 2), 2), "off": i32(off), "xins": nz(i32(xins, 3), 3),
+        "ins": nz(i32(tb.ins, 2), 2),
+        "stream": nz(i32(tb.stream[:, [ep.TF["front"], ep.TF["total"], ep.TF["map_start"]]], 3), 3),
+        "seg": i32(tb.seg), "seg_off": i32(tb.seg_off),
+        # one trailing entry: reads for non-local tiles stay in bounds (their value is unused)
+        "seg_local": np.concatenate([i32(tb.seg_local), np.zeros(1, np.int32)]),
+        "tile_total": i32(tb.tile_total.reshape(-1)), "rank_total": i32(rank_total),
+        "slot_src": i32(slot_src), "tok_seq": i32(tb.tok_seq.reshape(-1)),
+        "tok_pos": i32(tb.tok_pos.reshape(-1)),
+    }
+
+
+_FWD_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_local",
+               "tile_total", "rank_total", "slot_src", "tok_seq", "tok_pos", "delay")
+
+
+@functools.lru_cache(maxsize=16)
+def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype_name: str,
+                   scale: float, n_streams: int, map_size: int, n_seg: int):
+    """The fused forward launch: ``G = P * K`` CTAs, CTAs ``0 .. P*W - 1`` are workers (their
+    transfers with inserts, then compute), the rest compute. One warpgroup per CTA."""
+    dtype = jnp.dtype(dtype_name)
+    G, C = P * K, n * B
+    scale2 = float(scale) * 1.4426950408889634     # log2 units
+    row_l = plgpu.Layout.WGMMA.reduce(1)
+    col_l = plgpu.Layout.WGMMA.reduce(0)
+    sf = ep.SF
+    tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def kernel(rows_ref, off_ref, xins_ref, ins_ref, st_ref, seg_ref, seg_off_ref, seg_local_ref,
+               tile_total_ref, rank_total_ref, slot_src_ref, tok_seq_ref, tok_pos_ref, delay_ref,
+               q_ref, k_ref, v_ref,
+               out_ref, rk_ref, rv_ref, so_ref, sl_ref, map_out_ref):
+        c = lax.axis_index("sm")
+        is_worker = c < P * W
+        rank = jnp.where(is_worker, lax.rem(c, P), lax.rem(c - P * W, P))
+        reserve = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
+        publish = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
+        dev_map = pl.get_global(plgpu.SemaphoreType.REGULAR((map_size,)))
+        claim = pl.get_global(plgpu.SemaphoreType.REGULAR((n_seg,)))
+        claimed = pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
+        locks = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
+        merged = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
+        at = lambda ref, i: ref.at[pl.ds(i, 1)]  # noqa: E731
+
+        def bcast(x, shape, layout):
+            """A scalar as an array of ``shape`` in ``layout`` (no implicit broadcasts in
+            warpgroup semantics)."""
+            return plgpu.layout_cast(lax.broadcast_in_dim(x, shape, ()), layout)
+
+        def scoped(kv_buf, xbar, scr, q_smem, k_smem, v_smem, o_smem, l_smem, kvbar, qbar,
+                   qmeta, kmeta, mbar, sbar):
+            # ---- 1. communication (workers only): transfers in host order, then inserts.
+            cw = jnp.minimum(c, P * W - 1)
+            i0 = jnp.where(is_worker, off_ref[cw], 0)
+            i1 = jnp.where(is_worker, off_ref[cw + 1], 0)
+
+            @pl.loop(i0, i1)
+            def _(i):
+                src = pl.multiple_of(rows_ref[i, 0], 8)
+                dst = pl.multiple_of(rows_ref[i, 1], 8)
+
+                @pl.when(delay_ref[i] > 0)
+                def _():   # injected per-transfer delay (tests: perturbed arrival orders)
+                    pl.delay(delay_ref[i])
+
+                for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
+                    plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], kv_buf.at[j], xbar.at[j])
+                for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
+                    plgpu.barrier_wait(xbar.at[j])
+                    plgpu.copy_smem_to_gmem(kv_buf.at[j], d_ref.at[pl.ds(dst, B)])
+                plgpu.wait_smem_to_gmem(0)   # K and V fully written: insert the tile
+                recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
+
+                @pl.loop(a0, a0 + n_ins)
+                def _(a):
+                    s, cls = ins_ref[a, 0], ins_ref[a, 1]
+                    ctr = 2 * s + cls
+                    p = msync.fetch_add(at(reserve, ctr), scr, 1)
+                    pos = st_ref[s, 2] + p + cls * st_ref[s, 0]
+                    msync.store_release(at(dev_map, pos), recv_slot + 1)
+                    map_out_ref[pos] = recv_slot
+                    plgpu.semaphore_wait(publish.at[ctr], p, decrement=False, memory_scope="gpu")
+                    plgpu.semaphore_signal(publish.at[ctr], 1, memory_scope="gpu")
+
+            # ---- 2. compute: claim [C, E) intervals of the rank's segments until all claimed.
+            s0, s1 = seg_off_ref[rank], seg_off_ref[rank + 1]
+
+            def ready(j):
+                """(R, total) of segment j from the published stream prefix."""
+                nl, sid, nr = seg_ref[j, sf["n_local"]], seg_ref[j, sf["stream"]], seg_ref[j, sf["n_remote"]]
+                sidc = jnp.maximum(sid, 0)
+                F = st_ref[sidc, 0]
+                p0 = msync.load_acquire(at(publish, 2 * sidc), scr)
+                p1 = msync.load_acquire(at(publish, 2 * sidc + 1), scr)
+                pub = jnp.where(p0 < F, p0, F + p1)
+                rem = jnp.where(sid >= 0, jnp.minimum(pub, nr), 0)
+                return nl + rem, nl + nr
+
+            def scan(j, found):
+                cj = msync.load_acquire(at(claim, j), scr)
+                R, total = ready(j)
+                ok = (cj < total) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > cj)))
+                return jnp.where((found < 0) & ok, j, found)
+
+            def run_half(j, c0, e0, h):
+                a = seg_ref[j, sf["q_tile"]]
+                sid = seg_ref[j, sf["seq"]]
+                nl = seg_ref[j, sf["n_local"]]
+                ls = seg_ref[j, sf["local_start"]]
+                strm = jnp.maximum(seg_ref[j, sf["stream"]], 0)
+                qrow = pl.multiple_of(rank * C + a * B + h * _BQ, 8)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qrow, _BQ)], q_smem, qbar)
+                plgpu.barrier_wait(qbar)
+                plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(qrow, _BQ)], qmeta.at[0], mbar.at[0])
+                plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(qrow, _BQ)], qmeta.at[1], mbar.at[1])
+                plgpu.barrier_wait(mbar.at[0])
+                plgpu.barrier_wait(mbar.at[1])
+                qs = plgpu.load(qmeta.at[0], layout=row_l)
+                qp = plgpu.load(qmeta.at[1], layout=row_l)
+
+                def tile(i, carry):
+                    acc, m_i, l_i = carry
+                    local = i < nl
+                    b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
+                    mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
+                    slot = msync.load_acquire(at(dev_map, mpos), scr) - 1
+                    lrow = rank * C + b * B
+                    rrow = (rank * R + jnp.maximum(slot, 0)) * B
+                    meta = jnp.where(local, lrow, slot_src_ref[rank * R + jnp.maximum(slot, 0)])
+
+                    @pl.when(local)
+                    def _():
+                        plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(pl.multiple_of(lrow, 8), B)], k_smem, kvbar.at[0])
+                        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(pl.multiple_of(lrow, 8), B)], v_smem, kvbar.at[1])
+
+                    @pl.when(~local)
+                    def _():
+                        plgpu.copy_gmem_to_smem(rk_ref.at[pl.ds(pl.multiple_of(rrow, 8), B)], k_smem, kvbar.at[0])
+                        plgpu.copy_gmem_to_smem(rv_ref.at[pl.ds(pl.multiple_of(rrow, 8), B)], v_smem, kvbar.at[1])
+
+                    mrow = pl.multiple_of(meta, 8)
+                    plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(mrow, B)], kmeta.at[0], mbar.at[2])
+                    plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(mrow, B)], kmeta.at[1], mbar.at[3])
+                    plgpu.barrier_wait(mbar.at[2])
+                    plgpu.barrier_wait(mbar.at[3])
+                    ks = plgpu.load(kmeta.at[0], layout=col_l)
+                    kp = plgpu.load(kmeta.at[1], layout=col_l)
+                    plgpu.barrier_wait(kvbar.at[0])
+
+                    def qk(s_ref):
+                        plgpu.wgmma(s_ref, q_smem, k_smem.T)
+                        return s_ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((_BQ, B), jnp.float32)) * scale2
+                    shape = (_BQ, B)
+                    sid_t = bcast(sid, shape, plgpu.Layout.WGMMA)
+                    ok = ((lax.broadcast_in_dim(qs, shape, [0]) == sid_t)
+                          & (lax.broadcast_in_dim(ks, shape, [1]) == sid_t))
+                    if causal_flag:
+                        ok = ok & (lax.broadcast_in_dim(kp, shape, [1])
+                                   <= lax.broadcast_in_dim(qp, shape, [0]))
+                    s = jnp.where(ok, s, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha = jnp.exp2(m_i - m_use)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    plgpu.barrier_wait(kvbar.at[1])
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem)
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    return acc, m_new, l_i
+
+                init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), plgpu.Layout.WGMMA),
+                        plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
+                        plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), row_l))
+                acc, m_i, l_i = lax.fori_loop(c0, e0, tile, init)
+                empty = l_i == 0.0
+                o = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l_i), acc.shape, [0])
+                lse = jnp.where(empty, -jnp.inf,
+                                jnp.where(empty, 0.0, m_i) * 0.6931471805599453
+                                + jnp.log(jnp.where(empty, 1.0, l_i)))
+                # ---- merge under the (Q tile, half) lock (Eq. 1); the first merge initialises.
+                u = (rank * n + a) * 2 + h
+                msync.lock_acquire(at(locks, u), scr)
+                prev = msync.load_acquire(at(merged, u), scr)
+                plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(qrow, _BQ)], o_smem, sbar.at[0])
+                plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(qrow, _BQ)], l_smem, sbar.at[1])
+                plgpu.barrier_wait(sbar.at[0])
+                plgpu.barrier_wait(sbar.at[1])
+                o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
+                has_v = bcast(prev, (_BQ,), row_l) > 0
+                l_old = jnp.where(has_v, plgpu.load(l_smem, layout=row_l), -jnp.inf)
+                mx = jnp.maximum(l_old, lse)
+                mu_ = jnp.where(mx == -jnp.inf, 0.0, mx)
+                w0, w1 = jnp.exp(l_old - mu_), jnp.exp(lse - mu_)
+                tot = w0 + w1
+                nz_ = tot > 0
+                inv = 1.0 / jnp.where(nz_, tot, 1.0)
+                o_old = jnp.where(bcast(prev, (_BQ, D), plgpu.Layout.WGMMA) > 0, o_old, 0.0)
+                o_new = (o_old * lax.broadcast_in_dim(w0 * inv, o_old.shape, [0])
+                         + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
+                l_new = jnp.where(nz_, mu_ + jnp.log(jnp.where(nz_, tot, 1.0)), -jnp.inf)
+                o_smem[...] = o_new
+                l_smem[...] = l_new
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(qrow, _BQ)])
+                plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(qrow, _BQ)])
+                done_tiles = prev + (e0 - c0)
+
+                @pl.when(done_tiles == tile_total_ref[rank * n + a])
+                def _():   # the last merge of this half writes the output rows
+                    q_smem[...] = o_new.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(qrow, _BQ)])
+
+                plgpu.wait_smem_to_gmem(0)
+                msync.store_release(at(merged, u), done_tiles)
+                msync.lock_release(at(locks, u))
+
+            def claim_step(done):
+                j = lax.fori_loop(s0, s1, scan, jnp.int32(-1))
+
+                @pl.when(j >= 0)
+                def _():
+                    c0 = msync.load_acquire(at(claim, j), scr)
+                    R, total = ready(j)
+                    e0 = c0 + jnp.minimum(R - c0, seg_ref[j, sf["tau_max"]])
+                    ok = (c0 < total) & ((R - c0 >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > c0)))
+
+                    @pl.when(ok)
+                    def _():
+                        old = msync.compare_and_swap(at(claim, j), scr, c0, e0)
+
+                        @pl.when(old == c0)
+                        def _():
+                            msync.fetch_add(at(claimed, rank), scr, e0 - c0)
+                            for h in range(2):
+                                run_half(j, c0, e0, h)
+
+                got = msync.load_acquire(at(claimed, rank), scr)
+                return (got >= rank_total_ref[rank]).astype(jnp.int32)
+
+            lax.while_loop(lambda d: d == 0, claim_step, jnp.int32(0))
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((2, B, D), dtype), plgpu.Barrier(num_barriers=2), plgpu.SMEM((1,), jnp.int32),
+            plgpu.SMEM((_BQ, D), dtype, transforms=tf), plgpu.SMEM((B, D), dtype, transforms=tf),
+            plgpu.SMEM((B, D), dtype, transforms=tf), plgpu.SMEM((_BQ, D), jnp.float32),
+            plgpu.SMEM((_BQ,), jnp.float32), plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
+            plgpu.SMEM((2, _BQ), jnp.int32), plgpu.SMEM((2, B), jnp.int32),
+            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2))
+
+    causal_flag = True
+    out_type = (jax.ShapeDtypeStruct((P * C, D), dtype),
+                jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
+                jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
+                jax.ShapeDtypeStruct((P * C, D), jnp.float32),
+                jax.ShapeDtypeStruct((P * C,), jnp.float32),
+                jax.ShapeDtypeStruct((max(map_size, 1),), jnp.int32))
+    return plgpu.kernel(kernel, out_type=out_type, grid=(G,), grid_names=("sm",),
+                        compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
+def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
+                   ctas_per_rank: int, delay_ns=None):
+    """The fused forward engine on emulated ranks (GPU only; a skeleton: lowered on the CPU, never
+    run yet). One head: ``q, k, v [P * C, D]`` stacked in the plan's CP layout (bf16 / f16,
+    ``D`` 64 or 128, tiles of ``B`` = 64 or 128 rows). Causal tables only.
+
+    ``delay_ns``: optional ``(n_xfer,)`` nanoseconds a worker sleeps before each transfer, in
+    :func:`transfer_lists` row order (tests perturb arrival orders with it).
+
+    Returns ``(out [P*C, D], lse [P*C] f32)``: rows of padding (and of Q tiles without work)
+    are left unwritten.
+    """
+    if not tb.causal:
+        raise ValueError("tb: the fused forward skeleton handles causal tables only")
+    if q.shape != k.shape or k.shape != v.shape or q.ndim != 2:
+        raise ValueError(f"q, k, v must have one shape [P * C, D]; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != geom.num_ranks * geom.rows:
+        raise ValueError(f"q must have P * C = {geom.num_ranks * geom.rows} rows; got {q.shape[0]}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"q dtype must be bfloat16 or float16; got {q.dtype}")
+    if q.shape[1] not in (64, 128):
+        raise ValueError(f"head dim must be 64 or 128; got {q.shape[1]}")
+    if geom.tile_size not in (64, 128):
+        raise ValueError(f"geom.tile_size must be 64 or 128; got {geom.tile_size}")
+    W = tb.comm_per_rank
+    if isinstance(ctas_per_rank, bool) or int(ctas_per_rank) < max(W, 1):
+        raise ValueError(f"ctas_per_rank must be an int >= comm_per_rank={W}; got {ctas_per_rank}")
+    t = forward_tables(tb, geom)
+    nx = int(t["off"][-1])
+    if delay_ns is None:
+        t["delay"] = np.zeros(max(nx, 1), np.int32)
+    else:
+        d = np.asarray(delay_ns)
+        if d.shape != (nx,) or np.any(d < 0):
+            raise ValueError(f"delay_ns must be ({nx},) non-negative ints (one per transfer); got "
+                             f"shape {d.shape}")
+        t["delay"] = np.concatenate([d.astype(np.int32), np.zeros(1, np.int32)])
+    call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
+                          max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
+                          float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
+                          max(len(tb.seg), 1))
+    outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
+    return outs[0], outs[4]
