@@ -397,6 +397,71 @@ def merge_states(o1, l1, o2, l2):
     return o, np.where(ok, np.log(np.where(ok, tot, 1.0)) + mu, -np.inf)
 
 
+def run_event_loop(procs, starts, num_sms, rng) -> tuple[float, float]:
+    """Runs CTA coroutines to completion (discrete events); returns ``(makespan, busy time)``.
+
+    Each coroutine yields ``("sleep", dt, busy)`` (runs for ``dt``; ``busy``: counts as work) or
+    ``("wait", predicate, what)`` (spins, holding its SM, until ``predicate()``; re-checked after
+    every event, waiters in random order). CTA ``c`` becomes resident at ``starts[c]`` once fewer
+    than ``num_sms`` (``None``: all) CTAs are resident, in index order. Raises :class:`Deadlock`
+    when no event is pending and unfinished CTAs remain (naming every wait)."""
+    G = len(procs)
+    limit = G if num_sms is None else min(G, int(num_sms))
+    heap, waiting = [], {}
+    state = {"tick": 0, "resident": 0, "next": 0, "done": 0, "busy": 0.0}
+
+    def push(t, c):
+        heapq.heappush(heap, (t, rng.random(), state["tick"], c))
+        state["tick"] += 1
+
+    def admit(t):
+        while state["resident"] < limit and state["next"] < G:
+            push(max(t, starts[state["next"]]), state["next"])
+            state["next"] += 1
+            state["resident"] += 1
+
+    def step(c, t):
+        """Advances CTA c until it sleeps, waits (unsatisfied) or ends."""
+        while True:
+            try:
+                ev = next(procs[c])
+            except StopIteration:
+                state["done"] += 1
+                state["resident"] -= 1
+                admit(t)
+                return
+            if ev[0] == "sleep":
+                if ev[2]:
+                    state["busy"] += ev[1]
+                push(t + ev[1], c)
+                return
+            if not ev[1]():
+                waiting[c] = ev
+                return
+
+    admit(0.0)
+    now = 0.0
+    while state["done"] < G:
+        if not heap:
+            if not waiting:
+                raise Deadlock(f"{G - state['done']} CTAs never became resident (num_sms={num_sms})")
+            stuck = "; ".join(f"CTA {c}: {ev[2]}" for c, ev in sorted(waiting.items()))
+            raise Deadlock(f"{len(waiting)} resident CTAs wait, {G - state['done'] - len(waiting)} "
+                           f"not resident: {stuck}")
+        now, _, _, c = heapq.heappop(heap)
+        step(c, now)
+        progressed = True
+        while progressed and waiting:    # wake waiters whose condition now holds
+            progressed = False
+            for c2 in rng.permutation(list(waiting)).tolist():
+                ev = waiting.get(c2)
+                if ev is not None and ev[1]():
+                    del waiting[c2]
+                    step(c2, now)
+                    progressed = True
+    return now, state["busy"]
+
+
 def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale: float = 1.0) -> dict:
     """Runs the engine's protocol as a discrete-event model (see the module docstring).
 
@@ -596,66 +661,8 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
             lock[d, a] = -1
 
     # ---- the event loop
-    procs = []
-    for c, (d, w) in enumerate(roles):
-        procs.append(comm(d, w) if w >= 0 else compute(d))
-    starts = rng.random(G) * cfg.start_jitter
-    limit = G if cfg.num_sms is None else min(G, cfg.num_sms)
-    heap, waiting, tick = [], {}, 0
-    resident, next_cta, done = 0, 0, 0
-    busy_time = 0.0
-    now = 0.0
-
-    def admit(t):
-        nonlocal resident, next_cta, tick
-        while resident < limit and next_cta < G:
-            heapq.heappush(heap, (max(t, starts[next_cta]), rng.random(), tick, next_cta))
-            tick += 1
-            next_cta += 1
-            resident += 1
-
-    def step(c, t):
-        """Advances CTA c until it sleeps, waits (unsatisfied) or ends."""
-        nonlocal done, resident, busy_time, tick
-        while True:
-            try:
-                ev = next(procs[c])
-            except StopIteration:
-                done += 1
-                resident -= 1
-                admit(t)
-                return
-            if ev[0] == "sleep":
-                if ev[2]:
-                    busy_time += ev[1]
-                heapq.heappush(heap, (t + ev[1], rng.random(), tick, c))
-                tick += 1
-                return
-            if not ev[1]():
-                waiting[c] = ev
-                return
-
-    admit(0.0)
-    while done < G:
-        if not heap:
-            if not waiting:
-                raise Deadlock(f"{G - done} CTAs never became resident (num_sms={cfg.num_sms})")
-            stuck = "; ".join(f"CTA {c}: {ev[2]}" for c, ev in sorted(waiting.items()))
-            raise Deadlock(f"{len(waiting)} resident CTAs wait, {G - done - len(waiting)} not "
-                           f"resident: {stuck}")
-        now, _, _, c = heapq.heappop(heap)
-        step(c, now)
-        # wake waiters whose condition now holds (random order: any tie order is legal)
-        progressed = True
-        while progressed and waiting:
-            progressed = False
-            for c2 in rng.permutation(list(waiting)).tolist():
-                ev = waiting.get(c2)
-                if ev is not None and ev[1]():
-                    del waiting[c2]
-                    step(c2, now)
-                    progressed = True
-        # spinning CTAs poll: nothing to schedule (their conditions change only on events)
+    procs = [comm(d, w) if w >= 0 else compute(d) for d, w in roles]
+    now, busy_time = run_event_loop(procs, rng.random(G) * cfg.start_jitter, cfg.num_sms, rng)
     assert np.all(finalized == (tb.tile_total > 0)), "a Q tile was not finalized exactly once"
     res = dict(stats)
     res["time"] = now
