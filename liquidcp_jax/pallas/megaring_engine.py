@@ -26,10 +26,18 @@ tile's total writes the output rows. A CTA stops when its rank's claimed count r
 tile total. Deadlock freedom: the module docstring of ``engine_protocol`` (all CTAs resident:
 ``G`` at most the SM count and one CTA per SM by SMEM).
 
-Not tuned and not yet run: no KV pipelining or ping-pong (one warpgroup, synchronous TMA per
-tile), the scan reads every segment's counters per claim, one head per launch, forward only.
-Lowered for sm_90a on the CPU; ``tests/test_megaring_engine_gpu.py`` holds its GPU tests (float64
-reference, pairs counted through the LSE with zero queries, perturbed arrival orders), never run.
+**Staged forward** (:func:`forward_staged`): the same task body without device counters: the
+staged transfer launch, then static task lists (:func:`staged_tasks`: a protocol run's claims,
+every Q tile's tasks on one CTA in claim order, so merges need no lock) over that run's commit
+order. It is the persistent-kernel step of the ablation and what the CPU interpreter runs: the
+task body (TMA through the commit map, masks, softmax, wgmma, Eq. 1 merge, last-merge output) is
+checked there against float64, and the pair count through the LSE of zero queries.
+
+Not tuned, and the fused form not yet run: no KV pipelining or ping-pong (one warpgroup,
+synchronous TMA per tile), the scan reads every segment's counters per claim, one head per
+launch, forward only. The fused launch lowers for sm_90a on the CPU;
+``tests/test_megaring_engine_gpu.py`` holds its GPU tests (float64 reference, pairs counted
+through the LSE with zero queries, perturbed arrival orders), never run.
 Open risk to check there: the running state is written by TMA (async proxy) in one CTA and read by
 TMA in the next lock holder, ordered by the lock's release / acquire after
 ``wait_smem_to_gmem(0)``, the collective-matmul pattern.
@@ -233,31 +241,40 @@ _FWD_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_lo
 
 @functools.lru_cache(maxsize=16)
 def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype_name: str,
-                   scale: float, n_streams: int, map_size: int, n_seg: int):
-    """The fused forward launch: ``G = P * K`` CTAs, CTAs ``0 .. P*W - 1`` are workers (their
-    transfers with inserts, then compute), the rest compute. One warpgroup per CTA."""
+                   scale: float, n_streams: int, map_size: int, n_seg: int, staged: bool = False,
+                   interpret: bool = False):
+    """The forward compute launch. Fused: ``G = P * K`` CTAs, CTAs ``0 .. P*W - 1`` are workers
+    (their transfers with inserts, then compute), the rest compute; claims, locks and counters
+    on the device. Staged (``K`` = the grid): static task lists ``(segment, C, E, merged
+    before)`` after a completed transfer launch, a map given as input, each Q tile's tasks in
+    one CTA (no lock, no counter; runs in the interpreter). One warpgroup per CTA."""
     dtype = jnp.dtype(dtype_name)
-    G, C = P * K, n * B
+    G, C = (K if staged else P * K), n * B
     scale2 = float(scale) * 1.4426950408889634     # log2 units
     row_l = plgpu.Layout.WGMMA.reduce(1)
     col_l = plgpu.Layout.WGMMA.reduce(0)
     sf = ep.SF
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def kernel(rows_ref, off_ref, xins_ref, ins_ref, st_ref, seg_ref, seg_off_ref, seg_local_ref,
-               tile_total_ref, rank_total_ref, slot_src_ref, tok_seq_ref, tok_pos_ref, delay_ref,
-               q_ref, k_ref, v_ref,
-               out_ref, rk_ref, rv_ref, so_ref, sl_ref, map_out_ref):
+    def kernel(*refs):
+        (rows_ref, off_ref, xins_ref, ins_ref, st_ref, seg_ref, seg_off_ref, seg_local_ref,
+         tile_total_ref, rank_total_ref, slot_src_ref, tok_seq_ref, tok_pos_ref, delay_ref) = refs[:14]
+        if staged:
+            (task_ref, task_off_ref, smap_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
+             out_ref, so_ref, sl_ref) = refs[14:]
+        else:
+            q_ref, k_ref, v_ref, out_ref, rk_ref, rv_ref, so_ref, sl_ref, map_out_ref = refs[14:]
         c = lax.axis_index("sm")
         is_worker = c < P * W
         rank = jnp.where(is_worker, lax.rem(c, P), lax.rem(c - P * W, P))
-        reserve = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
-        publish = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
-        dev_map = pl.get_global(plgpu.SemaphoreType.REGULAR((map_size,)))
-        claim = pl.get_global(plgpu.SemaphoreType.REGULAR((n_seg,)))
-        claimed = pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
-        locks = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
-        merged = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
+        if not staged:
+            reserve = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
+            publish = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
+            dev_map = pl.get_global(plgpu.SemaphoreType.REGULAR((map_size,)))
+            claim = pl.get_global(plgpu.SemaphoreType.REGULAR((n_seg,)))
+            claimed = pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
+            locks = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
+            merged = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
         at = lambda ref, i: ref.at[pl.ds(i, 1)]  # noqa: E731
 
         def bcast(x, shape, layout):
@@ -266,39 +283,43 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             return plgpu.layout_cast(lax.broadcast_in_dim(x, shape, ()), layout)
 
         def scoped(kv_buf, xbar, scr, q_smem, k_smem, v_smem, o_smem, l_smem, kvbar, qbar,
-                   qmeta, kmeta, mbar, sbar):
-            # ---- 1. communication (workers only): transfers in host order, then inserts.
-            cw = jnp.minimum(c, P * W - 1)
-            i0 = jnp.where(is_worker, off_ref[cw], 0)
-            i1 = jnp.where(is_worker, off_ref[cw + 1], 0)
+                   qmeta, kmeta, mbar, sbar, p_smem):
+            def communicate():
+                """Workers only: transfers in host order, then inserts."""
+                cw = jnp.minimum(c, P * W - 1)
+                i0 = jnp.where(is_worker, off_ref[cw], 0)
+                i1 = jnp.where(is_worker, off_ref[cw + 1], 0)
 
-            @pl.loop(i0, i1)
-            def _(i):
-                src = pl.multiple_of(rows_ref[i, 0], 8)
-                dst = pl.multiple_of(rows_ref[i, 1], 8)
+                @pl.loop(i0, i1)
+                def _(i):
+                    src = pl.multiple_of(rows_ref[i, 0], 8)
+                    dst = pl.multiple_of(rows_ref[i, 1], 8)
 
-                @pl.when(delay_ref[i] > 0)
-                def _():   # injected per-transfer delay (tests: perturbed arrival orders)
-                    pl.delay(delay_ref[i])
+                    @pl.when(delay_ref[i] > 0)
+                    def _():   # injected per-transfer delay (tests: perturbed arrival orders)
+                        pl.delay(delay_ref[i])
 
-                for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
-                    plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], kv_buf.at[j], xbar.at[j])
-                for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
-                    plgpu.barrier_wait(xbar.at[j])
-                    plgpu.copy_smem_to_gmem(kv_buf.at[j], d_ref.at[pl.ds(dst, B)])
-                plgpu.wait_smem_to_gmem(0)   # K and V fully written: insert the tile
-                recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
+                    for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
+                        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], kv_buf.at[j], xbar.at[j])
+                    for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
+                        plgpu.barrier_wait(xbar.at[j])
+                        plgpu.copy_smem_to_gmem(kv_buf.at[j], d_ref.at[pl.ds(dst, B)])
+                    plgpu.wait_smem_to_gmem(0)   # K and V fully written: insert the tile
+                    recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
 
-                @pl.loop(a0, a0 + n_ins)
-                def _(a):
-                    s, cls = ins_ref[a, 0], ins_ref[a, 1]
-                    ctr = 2 * s + cls
-                    p = msync.fetch_add(at(reserve, ctr), scr, 1)
-                    pos = st_ref[s, 2] + p + cls * st_ref[s, 0]
-                    msync.store_release(at(dev_map, pos), recv_slot + 1)
-                    map_out_ref[pos] = recv_slot
-                    plgpu.semaphore_wait(publish.at[ctr], p, decrement=False, memory_scope="gpu")
-                    plgpu.semaphore_signal(publish.at[ctr], 1, memory_scope="gpu")
+                    @pl.loop(a0, a0 + n_ins)
+                    def _(a):
+                        s, cls = ins_ref[a, 0], ins_ref[a, 1]
+                        ctr = 2 * s + cls
+                        p = msync.fetch_add(at(reserve, ctr), scr, 1)
+                        pos = st_ref[s, 2] + p + cls * st_ref[s, 0]
+                        msync.store_release(at(dev_map, pos), recv_slot + 1)
+                        map_out_ref[pos] = recv_slot
+                        plgpu.semaphore_wait(publish.at[ctr], p, decrement=False, memory_scope="gpu")
+                        plgpu.semaphore_signal(publish.at[ctr], 1, memory_scope="gpu")
+
+            if not staged:
+                communicate()
 
             # ---- 2. compute: claim [C, E) intervals of the rank's segments until all claimed.
             s0, s1 = seg_off_ref[rank], seg_off_ref[rank + 1]
@@ -320,7 +341,11 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 ok = (cj < total) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > cj)))
                 return jnp.where((found < 0) & ok, j, found)
 
-            def run_half(j, c0, e0, h):
+            def run_half(j, c0, e0, h, prev_static=None):
+                """Task [c0, e0) of segment j, rows 64 h .. 64 h + 63 of its Q tile, merged into
+                the running state (fused: under the lock, ``merged`` from the device counter;
+                staged: ``prev_static`` tiles were merged before, no lock)."""
+                rank = seg_ref[j, sf["rank"]]
                 a = seg_ref[j, sf["q_tile"]]
                 sid = seg_ref[j, sf["seq"]]
                 nl = seg_ref[j, sf["n_local"]]
@@ -341,7 +366,10 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     local = i < nl
                     b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
                     mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
-                    slot = msync.load_acquire(at(dev_map, mpos), scr) - 1
+                    if staged:
+                        slot = smap_ref[mpos] - 1
+                    else:
+                        slot = msync.load_acquire(at(dev_map, mpos), scr) - 1
                     lrow = rank * C + b * B
                     rrow = (rank * R + jnp.maximum(slot, 0)) * B
                     meta = jnp.where(local, lrow, slot_src_ref[rank * R + jnp.maximum(slot, 0)])
@@ -386,10 +414,20 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     l_i = l_i * alpha + p.sum(axis=1)
                     plgpu.barrier_wait(kvbar.at[1])
 
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem)
+                    if interpret:   # no register-LHS wgmma in the interpreter: stage P
+                        p_smem[...] = p.astype(dtype)
+                        plgpu.commit_smem()
 
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        def pv_scope(ref):
+                            plgpu.wgmma(ref, p_smem, v_smem)
+                            return ref[...]
+
+                        acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((_BQ, D), jnp.float32))
+                    else:
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p.astype(dtype), v_smem)
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     return acc, m_new, l_i
 
                 init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), plgpu.Layout.WGMMA),
@@ -403,8 +441,11 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                                 + jnp.log(jnp.where(empty, 1.0, l_i)))
                 # ---- merge under the (Q tile, half) lock (Eq. 1); the first merge initialises.
                 u = (rank * n + a) * 2 + h
-                msync.lock_acquire(at(locks, u), scr)
-                prev = msync.load_acquire(at(merged, u), scr)
+                if staged:
+                    prev = prev_static
+                else:
+                    msync.lock_acquire(at(locks, u), scr)
+                    prev = msync.load_acquire(at(merged, u), scr)
                 plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(qrow, _BQ)], o_smem, sbar.at[0])
                 plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(qrow, _BQ)], l_smem, sbar.at[1])
                 plgpu.barrier_wait(sbar.at[0])
@@ -436,8 +477,9 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(qrow, _BQ)])
 
                 plgpu.wait_smem_to_gmem(0)
-                msync.store_release(at(merged, u), done_tiles)
-                msync.lock_release(at(locks, u))
+                if not staged:
+                    msync.store_release(at(merged, u), done_tiles)
+                    msync.lock_release(at(locks, u))
 
             def claim_step(done):
                 j = lax.fori_loop(s0, s1, scan, jnp.int32(-1))
@@ -456,13 +498,19 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                         @pl.when(old == c0)
                         def _():
                             msync.fetch_add(at(claimed, rank), scr, e0 - c0)
-                            for h in range(2):
+                            for h in range(B // _BQ):
                                 run_half(j, c0, e0, h)
 
                 got = msync.load_acquire(at(claimed, rank), scr)
                 return (got >= rank_total_ref[rank]).astype(jnp.int32)
 
-            lax.while_loop(lambda d: d == 0, claim_step, jnp.int32(0))
+            if staged:
+                @pl.loop(task_off_ref[c], task_off_ref[c + 1])
+                def _(t):
+                    for h in range(B // _BQ):
+                        run_half(task_ref[t, 0], task_ref[t, 1], task_ref[t, 2], h, task_ref[t, 3])
+            else:
+                lax.while_loop(lambda d: d == 0, claim_step, jnp.int32(0))
 
         pl.run_scoped(
             scoped,
@@ -471,17 +519,21 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             plgpu.SMEM((B, D), dtype, transforms=tf), plgpu.SMEM((_BQ, D), jnp.float32),
             plgpu.SMEM((_BQ,), jnp.float32), plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
             plgpu.SMEM((2, _BQ), jnp.int32), plgpu.SMEM((2, B), jnp.int32),
-            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2))
+            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2),
+            plgpu.SMEM((_BQ, B), dtype, transforms=tf) if interpret else None)
 
     causal_flag = True
-    out_type = (jax.ShapeDtypeStruct((P * C, D), dtype),
-                jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
-                jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
-                jax.ShapeDtypeStruct((P * C, D), jnp.float32),
-                jax.ShapeDtypeStruct((P * C,), jnp.float32),
-                jax.ShapeDtypeStruct((max(map_size, 1),), jnp.int32))
+    state = (jax.ShapeDtypeStruct((P * C, D), jnp.float32), jax.ShapeDtypeStruct((P * C,), jnp.float32))
+    if staged:
+        out_type = (jax.ShapeDtypeStruct((P * C, D), dtype),) + state
+    else:
+        out_type = ((jax.ShapeDtypeStruct((P * C, D), dtype),
+                     jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
+                     jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype)) + state
+                    + (jax.ShapeDtypeStruct((max(map_size, 1),), jnp.int32),))
     return plgpu.kernel(kernel, out_type=out_type, grid=(G,), grid_names=("sm",),
-                        compiler_params=plgpu.CompilerParams(approx_math=True))
+                        compiler_params=plgpu.CompilerParams(approx_math=True),
+                        **interpret_params(interpret))
 
 
 def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
@@ -496,18 +548,7 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     Returns ``(out [P*C, D], lse [P*C] f32)``: rows of padding (and of Q tiles without work)
     are left unwritten.
     """
-    if not tb.causal:
-        raise ValueError("tb: the fused forward skeleton handles causal tables only")
-    if q.shape != k.shape or k.shape != v.shape or q.ndim != 2:
-        raise ValueError(f"q, k, v must have one shape [P * C, D]; got {q.shape}, {k.shape}, {v.shape}")
-    if q.shape[0] != geom.num_ranks * geom.rows:
-        raise ValueError(f"q must have P * C = {geom.num_ranks * geom.rows} rows; got {q.shape[0]}")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"q dtype must be bfloat16 or float16; got {q.dtype}")
-    if q.shape[1] not in (64, 128):
-        raise ValueError(f"head dim must be 64 or 128; got {q.shape[1]}")
-    if geom.tile_size not in (64, 128):
-        raise ValueError(f"geom.tile_size must be 64 or 128; got {geom.tile_size}")
+    _check_forward_inputs(q, k, v, tb, geom)
     W = tb.comm_per_rank
     if isinstance(ctas_per_rank, bool) or int(ctas_per_rank) < max(W, 1):
         raise ValueError(f"ctas_per_rank must be an int >= comm_per_rank={W}; got {ctas_per_rank}")
@@ -527,3 +568,75 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
                           max(len(tb.seg), 1))
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
+
+
+def _check_forward_inputs(q, k, v, tb, geom):
+    if not tb.causal:
+        raise ValueError("tb: the fused forward skeleton handles causal tables only")
+    if q.shape != k.shape or k.shape != v.shape or q.ndim != 2:
+        raise ValueError(f"q, k, v must have one shape [P * C, D]; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != geom.num_ranks * geom.rows:
+        raise ValueError(f"q must have P * C = {geom.num_ranks * geom.rows} rows; got {q.shape[0]}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"q dtype must be bfloat16 or float16; got {q.dtype}")
+    if q.shape[1] not in (64, 128):
+        raise ValueError(f"head dim must be 64 or 128; got {q.shape[1]}")
+    if geom.tile_size not in (64, 128):
+        raise ValueError(f"geom.tile_size must be 64 or 128; got {geom.tile_size}")
+
+
+def staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
+    """Static task lists of the staged forward (host): the claims of a protocol run (``[tasks, 4]``
+    ``(segment, C, E, R)``, :func:`~liquidcp_jax.megaring.engine_protocol.simulate`'s
+    ``claims``), every Q tile's tasks on one CTA in claim order (longest Q tile first to the
+    least-loaded CTA), each with the tiles merged into its Q tile before it. Returns ``(task
+    [n, 4] int32 (segment, C, E, merged before), task_off (num_ctas + 1,) int32)``."""
+    if isinstance(num_ctas, bool) or int(num_ctas) < 1:
+        raise ValueError(f"num_ctas must be an int >= 1; got {num_ctas!r}")
+    claims = np.asarray(claims, np.int64).reshape(-1, 4)
+    sg = tb.seg.astype(np.int64)
+    key = sg[claims[:, 0], ep.SF["rank"]] * tb.tiles + sg[claims[:, 0], ep.SF["q_tile"]]
+    groups: dict[int, list] = {}
+    for (j, c0, e0, _), kk in zip(claims.tolist(), key.tolist()):
+        groups.setdefault(kk, []).append((j, c0, e0))
+    load = np.zeros(int(num_ctas))
+    lists = [[] for _ in range(int(num_ctas))]
+    for kk in sorted(groups, key=lambda g: -sum(e - c for _, c, e in groups[g])):
+        cta = int(np.argmin(load))
+        done = 0
+        for j, c0, e0 in groups[kk]:
+            lists[cta].append((j, c0, e0, done))
+            done += e0 - c0
+        load[cta] += done + len(groups[kk])
+    off = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
+    task = np.asarray([t for x in lists for t in x], np.int32).reshape(-1, 4)
+    return task, off
+
+
+def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
+                   num_ctas: int, sim: dict | None = None, interpret: bool = False):
+    """The staged forward on emulated ranks: the transfer launch (K and V), then one compute launch
+    of static task lists (:func:`staged_tasks`) over the commit order and claims of a protocol
+    run (``sim``: :func:`~liquidcp_jax.megaring.engine_protocol.simulate`'s result; default: a
+    run without delays). No device counters: the persistent-kernel step of the ablation, and
+    the mode the CPU interpreter runs. ``q, k, v [P * C, D]`` one head; returns ``(out, lse)``
+    as :func:`forward_launch` (rows of padding and of Q tiles without work left unwritten)."""
+    _check_forward_inputs(q, k, v, tb, geom)
+    if sim is None:
+        sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+    task, task_off = staged_tasks(tb, sim["claims"], num_ctas)
+    rk = transfer_launch(k, tb, geom, interpret=interpret)
+    rv = transfer_launch(v, tb, geom, interpret=interpret)
+    t = forward_tables(tb, geom)
+    t["delay"] = np.zeros(1, np.int32)
+    smap = np.asarray(sim["map"], np.int64) + 1
+    smap = np.concatenate([smap, np.zeros(1, np.int64)]).astype(np.int32)
+    call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
+                          geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
+                          jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
+                          max(tb.map_size, 1), max(len(tb.seg), 1), staged=True,
+                          interpret=bool(interpret))
+    pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
+    outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), jnp.asarray(pad(task)),
+                jnp.asarray(task_off), jnp.asarray(smap), q, k, v, rk, rv)
+    return outs[0], outs[2]
