@@ -153,6 +153,8 @@ def test_forward_tables_and_validation():
     q = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="ctas_per_rank"):
         me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=0)
+    with pytest.raises(ValueError, match="resident"):
+        me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=1000)
     with pytest.raises(ValueError, match="dtype"):
         me.forward_launch(q.astype(jnp.float32), q.astype(jnp.float32), q.astype(jnp.float32), tb,
                           g, scale=0.1, ctas_per_rank=2)

@@ -552,6 +552,11 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     W = tb.comm_per_rank
     if isinstance(ctas_per_rank, bool) or int(ctas_per_rank) < max(W, 1):
         raise ValueError(f"ctas_per_rank must be an int >= comm_per_rank={W}; got {ctas_per_rank}")
+    from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
+    if geom.num_ranks * int(ctas_per_rank) > num_sms():
+        raise ValueError(f"ctas_per_rank={ctas_per_rank}: {geom.num_ranks} ranks x {ctas_per_rank} "
+                         f"CTAs exceed the {num_sms()} SMs; the engine's spin waits need every CTA "
+                         f"resident (one per SM)")
     t = forward_tables(tb, geom)
     nx = int(t["off"][-1])
     if delay_ns is None:
