@@ -239,3 +239,17 @@ def test_staged_tasks_group_q_tiles():
             merged[key] = before + e0 - c0
     with pytest.raises(ValueError, match="num_ctas"):
         me.staged_tasks(tb, sim["claims"], 0)
+
+
+def test_engine_from_plan_megaring_lowers(mesh8):
+    """The documented path from a plan: plan_megaring -> engine tables -> transport geometry from
+    the plan's capacity -> the fused forward, lowered for sm_90a (8 ranks x 16 CTAs)."""
+    from liquidcp_jax.megaring import plan_megaring
+    plan = plan_megaring([5000, 1700, 333, 9000, 40], mesh8, tile_size=128, task_tiles=8)
+    tb = ep.tables_from_plan(plan, comm_per_rank=2)
+    g = mt.RingGeometry.from_capacity(plan.capacity, 8)
+    assert g.rows == plan.static.local_capacity
+    sd = jax.ShapeDtypeStruct((8 * g.rows, 128), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: me.forward_launch(q, k, v, tb, g, scale=0.1, ctas_per_rank=16))
+    txt = f.trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
