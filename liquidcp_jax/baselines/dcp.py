@@ -76,19 +76,22 @@ def _own_heads(x, spec: xla_dcp.DcpSpec):
 
 
 def _global_lse(lse, spec: xla_dcp.DcpSpec):
-    """All-gathers ``lse [T, H]`` f32 and returns the group LSE (empty everywhere: ``-inf``)."""
-    # NaN / +inf LSEs are sanitized to -inf as vLLM's correction kernel does.
-    lse = jnp.where(jnp.isnan(lse) | (lse == jnp.inf), -jnp.inf, lse)
+    """All-gathers ``lse [T, H]`` f32 and returns the group LSE (empty everywhere: ``-inf``).
+
+    vLLM's correction kernel sanitizes NaN / +inf LSEs to -inf; here a NaN LSE (a row whose
+    scores depend on bad data) stays NaN, so that NaN is never hidden (the library's bad-data
+    semantics, ``reference/float64.py``); empty states still weigh 0."""
     lses = lax.all_gather(lse, spec.axis_name)                      # [P, T, H]
     m = jnp.max(lses, axis=0)
-    m0 = jnp.where(jnp.isfinite(m), m, 0.0)
+    m0 = jnp.where(m == -jnp.inf, 0.0, m)
     tot = jnp.sum(jnp.exp(lses - m0), axis=0)
-    return lse, jnp.where(tot > 0, jnp.log(jnp.where(tot > 0, tot, 1.0)) + m0, -jnp.inf)
+    return lse, jnp.where(tot == 0, -jnp.inf, jnp.log(jnp.where(tot == 0, 1.0, tot)) + m0)
 
 
 def _rescale_factor(lse, lse_g):
-    f = jnp.exp(lse - lse_g)              # -inf - (-inf) = NaN: an empty history weighs 0
-    return jnp.where(jnp.isnan(f), 0.0, f)
+    # An empty history (lse = -inf) weighs exactly 0 (exp(-inf - (-inf)) would be NaN); a NaN
+    # LSE gives a NaN factor.
+    return jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - lse_g))
 
 
 def _finish(q_loc, hist_out, hist_lse, chunk: st.PartialState):
@@ -122,8 +125,7 @@ def vllm_a2a_combine(q_loc, chunk, hist, spec):
 def sglang_ag_ar_combine(q_loc, chunk, hist, spec):
     """LSE all-gather, scale (BF16 x FP32 promotes to FP32), FP32 all-reduce of all heads."""
     lse, lse_g = _global_lse(hist.lse, spec)
-    o = hist.out.astype(q_loc.dtype)
-    o = jnp.nan_to_num(o).astype(jnp.float32) * _rescale_factor(lse, lse_g)[..., None]
+    o = hist.out.astype(q_loc.dtype).astype(jnp.float32) * _rescale_factor(lse, lse_g)[..., None]
     o = lax.psum(o, spec.axis_name)                                  # [T, H, D] f32
     return _finish(q_loc, _own_heads(o, spec), _own_heads(lse_g, spec), chunk)
 

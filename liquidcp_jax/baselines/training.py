@@ -60,22 +60,13 @@ def _attend_blocks(q, qseg, qpos, qval, k, v, kseg, kpos, kval, *, causal: bool,
     @jax.checkpoint
     def one(args):
         qb, sb, pb, vb = args
-        qg = qb.reshape(block, hkv, rep, D)
-        s = jnp.einsum("qhrd,khd->hrqk", qg, k, preferred_element_type=jnp.float32) * scale
         mask = (sb[:, None] == kseg[None, :]) & vb[:, None] & kval[None, :]
         if causal:
             mask &= kpos[None, :] <= pb[:, None]
-        s = jnp.where(mask, s, -jnp.inf)
-        # The shift cancels in out and lse, so it carries no gradient (and no NaN for empty rows).
-        m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m), 0.0)
-        l = jnp.sum(p, axis=-1)
-        safe = jnp.where(l > 0, l, 1.0)
-        o = jnp.einsum("hrqk,khd->qhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        o = o / jnp.transpose(safe, (2, 0, 1))[..., None]
-        lse = jnp.where(l > 0, m[..., 0] + jnp.log(safe), -jnp.inf)
-        return o.reshape(block, hq, D), jnp.transpose(lse, (2, 0, 1)).reshape(block, hq)
+        # The shared masked block attention (bad data as the float64 reference), differentiated
+        # by its own VJP.
+        ps = st.attend_vjp(qb.reshape(block, hkv, rep, D), k, v, mask, scale)
+        return ps.out.reshape(block, hq, D), ps.lse.reshape(block, hq)
 
     nb = C // block
     o, lse = lax.map(one, (q.reshape(nb, block, hq, D), qseg.reshape(nb, block), qpos.reshape(nb, block),

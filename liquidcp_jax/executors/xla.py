@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from liquidcp_jax import state
 from liquidcp_jax.megaring.layout import exchange_partner
 from liquidcp_jax.megaring.tables import MASK_NONE, step_bases
 
@@ -143,7 +144,6 @@ def forward(q, k, v, tables, spec: ExecSpec):
     B = spec.tile_size
     C, hq, D = q.shape
     hkv = k.shape[1]
-    rep = hq // hkv
     nt = C // B
     K, M = fs.shape[1], fs.shape[2]
     c = spec.chunk(fwd_task_bytes(B, M, hq, hkv, D, q.dtype.itemsize), K)
@@ -168,32 +168,33 @@ def forward(q, k, v, tables, spec: ExecSpec):
             row = jnp.minimum(tgt, nt - 1)
             qg = _gqa(qt[row], hkv)                            # [c, B, Hkv, rep, D]
             kg, vg = pk[slot], pv[slot]                        # [c, M, B, Hkv, D]
-            s = jnp.einsum("kqhrd,kmjhd->khrqmj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
             mask = _mask(kind, seq_t[row][:, None], pos_t[row][:, None], ps[slot], pp[slot],
                          spec.causal)                          # [c, M, Bq, Bk]
-            mask = jnp.transpose(mask, (0, 2, 1, 3))[:, None, None]          # [c, 1, 1, Bq, M, Bk]
-            s = jnp.where(mask, s, -jnp.inf)
-            m_t = jnp.transpose(jnp.max(s, axis=(-2, -1)), (0, 3, 1, 2)).reshape(-1, B, hq)
-            # Several tasks of one chunk may share a Q tile: scatter-max gives every row its chunk-wide max.
-            m_new = m_run.at[tgt].max(m_t, mode="drop")
-            m_q = m_new[row]
-            m_q = jnp.where(jnp.isfinite(m_q), m_q, 0.0)
-            m_b = jnp.transpose(m_q.reshape(-1, B, hkv, rep), (0, 2, 3, 1))[..., None, None]
-            p = jnp.where(mask, jnp.exp(s - m_b), 0.0)
-            l_t = jnp.transpose(jnp.sum(p, axis=(-2, -1)), (0, 3, 1, 2)).reshape(-1, B, hq)
-            o_t = jnp.einsum("khrqmj,kmjhd->kqhrd", p.astype(v.dtype), vg,
-                             preferred_element_type=jnp.float32).reshape(-1, B, hq, D)
+            mask = jnp.transpose(mask, (0, 2, 1, 3)).reshape(-1, B, M * B)   # [c, Bq, M*Bk]
+            flat = lambda x: x.reshape(x.shape[0], M * B, hkv, D)
+            # The task's state over its M tiles (bad data marked: state.attend), then merged
+            # into the running state of its Q tile by the running form of paper Eq. 1.
+            ts = state.attend(qg, flat(kg), flat(vg), mask, spec.scale)
+            lse_t = ts.lse.reshape(-1, B, hq)
+            o_t = ts.out.reshape(-1, B, hq, D)
+            # Several tasks of one chunk may share a Q tile: scatter-max gives every row its
+            # chunk-wide shift (the LSE bounds the task's scores, so exp(lse_t - m) <= 1).
+            m_new = m_run.at[tgt].max(lse_t, mode="drop")
+            m_q = jnp.where(m_new[row] == -jnp.inf, 0.0, m_new[row])
+            w_t = jnp.exp(lse_t - m_q)                         # 0 for rows the task does not reach
             m_old = m_run[row]
-            alpha = jnp.where(jnp.isfinite(m_old), jnp.exp(m_old - m_q), 0.0)
+            alpha = jnp.where(m_old == -jnp.inf, 0.0, jnp.exp(m_old - m_q))
             # Rows shared by several tasks get the same rescaled value from each of them.
-            acc = acc.at[tgt].set(acc[row] * alpha[..., None], mode="drop").at[tgt].add(o_t, mode="drop")
-            l_run = l_run.at[tgt].set(l_run[row] * alpha, mode="drop").at[tgt].add(l_t, mode="drop")
+            acc = (acc.at[tgt].set(acc[row] * alpha[..., None], mode="drop")
+                   .at[tgt].add(w_t[..., None] * o_t, mode="drop"))
+            l_run = l_run.at[tgt].set(l_run[row] * alpha, mode="drop").at[tgt].add(w_t, mode="drop")
             return m_new, l_run, acc
 
         rows = (_pad_rows(fq[t], c, -1), _pad_rows(fs[t], c, 0), _pad_rows(fk[t], c, 0))
         carry = _chunked(fc[t], c, rows, carry, body)
     m_run, l_run, acc = carry
-    q_ok = (seq_t >= 0)[..., None] & (l_run > 0)               # [nt, B, Hq]
+    # Empty rows (padding, or no key) have l == 0 exactly; NaN rows stay NaN (never hidden).
+    q_ok = (seq_t >= 0)[..., None] & (l_run != 0)              # [nt, B, Hq]
     safe = jnp.where(q_ok, l_run, 1.0)
     out = jnp.where(q_ok[..., None], acc / safe[..., None], 0.0).reshape(C, hq, D).astype(q.dtype)
     lse = jnp.where(q_ok, m_run + jnp.log(safe), -jnp.inf).reshape(C, hq)
@@ -215,9 +216,9 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
     c = spec.chunk(bwd_pair_bytes(B, hq, hkv, D, q.dtype.itemsize), bq.shape[1])
     qt = q.reshape(nt, B, hq, D)
     dot_ = do.reshape(nt, B, hq, D)
+    out_t = out.reshape(nt, B, hq, D)
     lse_t = lse.reshape(nt, B, hq)
-    delta = (jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-             - dlse.astype(jnp.float32)).reshape(nt, B, hq)
+    dlse_t = dlse.reshape(nt, B, hq)
     kt = k.reshape(nt, B, hkv, D)
     vt = v.reshape(nt, B, hkv, D)
     seq_t = tok_seq.reshape(nt, B)
@@ -233,23 +234,13 @@ def backward(q, k, v, out, lse, do, dlse, tables, spec: ExecSpec):
             dq, dk_step, dv_step = carry
             valid = q_idx >= 0
             row = jnp.maximum(q_idx, 0)
-            qg = _gqa(qt[row], hkv)                            # [c, B, Hkv, rep, D]
-            dog = _gqa(dot_[row], hkv)
-            lg = _gqa(lse_t[row][..., None], hkv)[..., 0]      # [c, B, Hkv, rep]
-            dg = _gqa(delta[row][..., None], hkv)[..., 0]
-            kg, vg = k_step[slot], v_step[slot]                # [c, Bk, Hkv, D]
-            s = jnp.einsum("pqhrd,pjhd->phrqj", qg, kg, preferred_element_type=jnp.float32) * spec.scale
-            mask = _mask(kind, seq_t[row], pos_t[row], s_step[slot], p_step[slot], spec.causal)
-            mask = mask[:, None, None] & valid[:, None, None, None, None]
-            lq = jnp.transpose(lg, (0, 2, 3, 1))[..., None]     # [c, Hkv, rep, Bq, 1]
-            p = jnp.where(mask & jnp.isfinite(lq), jnp.exp(s - jnp.where(jnp.isfinite(lq), lq, 0.0)), 0.0)
-            dv_p = jnp.einsum("phrqj,pqhrd->pjhd", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("pqhrd,pjhd->phrqj", dog, vg, preferred_element_type=jnp.float32)
-            ds = p * (dp - jnp.transpose(dg, (0, 2, 3, 1))[..., None])
-            dq_p = jnp.einsum("phrqj,pjhd->pqhrd", ds.astype(q.dtype), kg,
-                              preferred_element_type=jnp.float32) * spec.scale
-            dk_p = jnp.einsum("phrqj,pqhrd->pjhd", ds.astype(q.dtype), qg,
-                              preferred_element_type=jnp.float32) * spec.scale
+            g = lambda x: _gqa(x[row], hkv)                    # [c, B, Hkv, rep(, D)]
+            mask = (_mask(kind, seq_t[row], pos_t[row], s_step[slot], p_step[slot], spec.causal)
+                    & valid[:, None, None])                    # [c, Bq, Bk]
+            # Bad data: state.attend_bwd marks the entries that depend on a non-finite value.
+            dq_p, dk_p, dv_p = state.attend_bwd(
+                g(qt), k_step[slot], v_step[slot], mask, g(out_t), g(lse_t[..., None])[..., 0],
+                g(dot_), g(dlse_t[..., None])[..., 0], spec.scale)
             dq = dq.at[jnp.where(valid, q_idx, nt)].add(dq_p.reshape(-1, B, hq, D), mode="drop")
             seg = jnp.where(valid, slot, n_step)
             return dq, dk_step.at[seg].add(dk_p, mode="drop"), dv_step.at[seg].add(dv_p, mode="drop")

@@ -58,19 +58,11 @@ class DcpSpec(DcpShape):
 def _pair_states(qg, kg, vg, mask, scale: float):
     """``qg: [n, M, Hh, D]``, ``kg, vg: [n, B, D]``, ``mask: [n, M, B]`` -> state ``[n, M, Hh]``.
 
-    One KV head serves every query head, so the ``Hh`` heads share the tile's keys.
+    One KV head serves every query head, so the ``Hh`` heads share the tile's keys. Masked block
+    attention with the bad-data semantics of the float64 reference (:func:`state.attend`).
     """
-    s = jnp.einsum("nmhd,nkd->nmhk", qg, kg, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, :, None, :], s, -jnp.inf)
-    # Fully masked rows (padding, empty splits) keep max 0 so exp gives 0, never NaN.
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("nmhk,nkd->nmhd", p.astype(vg.dtype), vg, preferred_element_type=jnp.float32)
-    safe = jnp.where(l > 0, l, 1.0)
-    lse = jnp.where(l > 0, m[..., 0] + jnp.log(safe), -jnp.inf)
-    return st.PartialState(o / safe[..., None], lse)
+    ps = st.attend(qg[:, :, None], kg[:, :, None], vg[:, :, None], mask, scale)
+    return st.PartialState(ps.out[:, :, 0], ps.lse[:, :, 0])
 
 
 def _blocked(fn, cols: tuple, block: int, init: st.PartialState) -> st.PartialState:

@@ -11,6 +11,32 @@ Segment table: the kernels' most general input (``pallas.tables.Segments``:
 per segment a query range, a key range and their token positions). GQA:
 query head ``h`` uses KV head ``h // (Hq // Hkv)``. LSE is natural-log; a row
 that sees no key gets ``out = 0``, ``lse = -inf``.
+
+Bad data (the semantics every path follows; ``docs/kernels.md``, "Bad data").
+A masked (query, key) pair contributes *nothing*: it is excluded from the
+arithmetic, never multiplied by zero. So a non-finite value (NaN, +inf or
+-inf) in an input reaches exactly the rows whose results depend on it, and
+those rows are non-finite (NaN), never 0 or a finite value; every other entry
+is the exact result of its own finite inputs. Per (token, head) row ``(i, h)``
+with KV head ``g = h // (Hq // Hkv)`` and ``V(i)`` the keys row ``i`` sees:
+
+* ``out[i, h]`` is NaN iff ``q[i, h]`` or some ``k[j, g]`` or ``v[j, g]``,
+  ``j`` in ``V(i)``, holds a non-finite entry (a *bad* row); ``lse[i, h]`` is
+  NaN iff ``q[i, h]`` or some ``k[j, g]`` does (a *score-bad* row: LSE does not
+  depend on values). A row that sees no key stays ``out = 0, lse = -inf``
+  whatever its query.
+* Gradients of ``sum(out * do)`` (``do`` non-finite on a row makes it bad and
+  score-bad for the backward): ``dq[i, h]`` is NaN iff row ``(i, h)`` is bad
+  and sees a key; ``dk[j, g]`` iff a bad row of a head of group ``g`` sees
+  ``j``; ``dv[j, g]`` iff a score-bad row of group ``g`` sees ``j`` (``dv =
+  P^T dO`` depends on neither values nor outputs).
+
+Whole rows are marked: a row that depends on one bad entry is NaN in every
+component. The float64 arithmetic runs on inputs whose non-finite entries are
+zeroed, then the dependent rows are marked from the mask, so the definition is
+structural (visibility), not an accident of IEEE arithmetic: a ``-inf`` score
+from an infinite key is bad data, not a masked pair. Finite inputs whose
+products overflow float32 count as non-finite in the float32 paths.
 """
 from __future__ import annotations
 
@@ -32,10 +58,26 @@ def _scores(q, k, mask, scale):
     return np.where(mask[None], s, -np.inf), kk
 
 
+def _clean(x):
+    """``(x with non-finite entries zeroed, bad [N, H])``: True where a vector holds one."""
+    ok = np.isfinite(x)
+    return np.where(ok, x, 0.0), ~ok.all(axis=-1)
+
+
+def _reaches(mask, bad, rep):
+    """``mask [M, N]``, ``bad [N, Hkv]`` -> ``[M, Hq]``: a visible key is bad (per q head)."""
+    return np.repeat((mask.astype(np.float64) @ bad.astype(np.float64)) > 0, rep, axis=1)
+
+
 def _attend(q, k, v, mask, scale):
-    """q: [M, Hq, D], k/v: [N, Hkv, D], mask: [M, N] bool -> out [M, Hq, D], lse [M, Hq]."""
+    """q: [M, Hq, D], k/v: [N, Hkv, D], mask: [M, N] bool -> out [M, Hq, D], lse [M, Hq].
+
+    Bad data as the module docstring says: the sums run over visible keys of zeroed inputs, then
+    bad rows are NaN."""
+    rep = q.shape[1] // k.shape[1]
+    (q, qbad), (k, kbad), (v, vbad) = _clean(q), _clean(k), _clean(v)
     s, _ = _scores(q, k, mask, scale)
-    vv = np.repeat(v, q.shape[1] // k.shape[1], axis=1)
+    vv = np.repeat(v, rep, axis=1)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
@@ -43,13 +85,23 @@ def _attend(q, k, v, mask, scale):
     safe = np.where(l > 0, l, 1.0)
     out = _einsum("hmn,nhd->mhd", p / safe, vv)
     lse = np.where(l[..., 0] > 0, (m + np.log(safe))[..., 0], -np.inf).T
-    return out, lse
+    has = mask.any(axis=1)[:, None]
+    sbad = (qbad & has) | _reaches(mask, kbad, rep)
+    rbad = sbad | _reaches(mask, vbad, rep)
+    return np.where(rbad[..., None], np.nan, out), np.where(sbad, np.nan, lse)
 
 
 def _attend_vjp(q, k, v, do, mask, scale):
-    """Gradients of ``sum(out * do)`` for :func:`_attend`: (dq [M, Hq, D], dk, dv [N, Hkv, D])."""
+    """Gradients of ``sum(out * do)`` for :func:`_attend`: (dq [M, Hq, D], dk, dv [N, Hkv, D]).
+
+    Bad data as the module docstring says (``do`` non-finite on a row makes it bad and
+    score-bad)."""
     hq, hkv = q.shape[1], k.shape[1]
     rep = hq // hkv
+    out, lse = _attend(q, k, v, mask, scale)
+    (q, _), (k, _), (v, _), (do, dobad) = _clean(q), _clean(k), _clean(v), _clean(do)
+    rbad = ~np.isfinite(out).all(-1) | dobad
+    sbad = np.isnan(lse) | dobad
     s, kk = _scores(q, k, mask, scale)
     vv = np.repeat(v, rep, axis=1)
     m = s.max(axis=-1, keepdims=True)
@@ -62,7 +114,15 @@ def _attend_vjp(q, k, v, do, mask, scale):
     dq = _einsum("hmn,nhd->mhd", ds, kk) * scale
     dkk = _einsum("hmn,mhd->nhd", ds, q) * scale
     n, d = k.shape[0], k.shape[2]
-    return dq, dkk.reshape(n, hkv, rep, d).sum(2), dvv.reshape(n, hkv, rep, d).sum(2)
+    dk, dv = dkk.reshape(n, hkv, rep, d).sum(2), dvv.reshape(n, hkv, rep, d).sum(2)
+    has = mask.any(axis=1)[:, None]
+    rbad, sbad = rbad & has, sbad & has
+    mt = mask.T.astype(np.float64)
+    group = lambda f: f.reshape(f.shape[0], hkv, rep).any(-1).astype(np.float64)
+    dq = np.where(rbad[..., None], np.nan, dq)
+    dk = np.where(((mt @ group(rbad)) > 0)[..., None], np.nan, dk)
+    dv = np.where(((mt @ group(sbad)) > 0)[..., None], np.nan, dv)
+    return dq, dk, dv
 
 
 def _offsets(lengths):
@@ -153,12 +213,8 @@ def attention_reference_rows(q, k, v, do, lengths, rows, *, causal: bool = True,
             pos = rows[sel] - a
             mask = (np.arange(L)[None, :] <= pos[:, None]) if causal else np.ones((sel.size, L), bool)
             qq, dd = np.asarray(q[rows[sel]], np.float64), np.asarray(do[rows[sel]], np.float64)
-            o_, l_ = _attend(qq, kk, vv, mask, scale)
-            p = np.where(mask[None], np.exp(_einsum("mhd,nhd->hmn", qq, kk) * scale - l_.T[..., None]), 0.0)
-            dp = _einsum("mhd,nhd->hmn", dd, vv)
-            ds = p * (dp - (p * dp).sum(-1, keepdims=True))
-            out[sel], lse[sel] = o_, l_
-            dq[sel] = _einsum("hmn,nhd->mhd", ds, kk) * scale
+            out[sel], lse[sel] = _attend(qq, kk, vv, mask, scale)
+            dq[sel] = _attend_vjp(qq, kk, vv, dd, mask, scale)[0]
     return out, lse, dq
 
 

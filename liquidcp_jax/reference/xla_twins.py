@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from liquidcp_jax import state
 from liquidcp_jax.pallas.tables import as_segments
 
 
@@ -49,7 +50,8 @@ def _xla_chunks(q, k, seg, causal, chunk):
 def xla_segment_attention(q, k, v, segments, *, causal, sm_scale, chunk=512):
     """Forward in XLA (float32 math, chunks of ``chunk`` query rows): the portable twin of
     ``pallas.api.segment_attention`` with the same arguments and results (rows in no segment, or
-    whose keys are all masked: out = 0, lse = -inf)."""
+    whose keys are all masked: out = 0, lse = -inf). Bad data as the float64 reference
+    (:func:`liquidcp_jax.state.attend`)."""
     seg = as_segments(segments)
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -59,17 +61,8 @@ def xla_segment_attention(q, k, v, segments, *, causal, sm_scale, chunk=512):
 
     def body(_, xs):
         qb, sqb, pqb = xs
-        s = jnp.einsum("qhgd,khd->hgqk", qb.astype(jnp.float32), kf) * sm_scale
-        vis = visible(sqb, pqb)[None, None]
-        s = jnp.where(vis, s, -jnp.inf)
-        m = jnp.max(s, -1, keepdims=True)
-        ms = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.where(vis, jnp.exp(s - ms), 0.0)
-        l = jnp.sum(p, -1)
-        o = (jnp.einsum("hgqk,khd->qhgd", p, vf)
-             / jnp.where(l > 0, l, 1.0).transpose(2, 0, 1)[..., None])
-        lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + ms[..., 0], -jnp.inf)
-        return None, (o, lse.transpose(2, 0, 1))
+        st = state.attend(qb.astype(jnp.float32), kf, vf, visible(sqb, pqb), sm_scale)
+        return None, (st.out, st.lse)
 
     _, (o, lse) = jax.lax.scan(body, None, (pad(q).reshape(n, chunk, hkv, g, d), sqc, pqc))
     return (o.reshape(n * chunk, hq, d)[:tq].astype(q.dtype),
@@ -81,37 +74,28 @@ def xla_segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_sca
 
     ``out`` / ``lse`` are the final output and natural-log LSE of every query row: when they come
     from more keys than these segments hold (the other steps of a ring), the gradients are this
-    call's share, and the shares over all steps sum to the full gradients."""
+    call's share, and the shares over all steps sum to the full gradients. Bad data as
+    :func:`liquidcp_jax.state.attend_bwd` (NaN in ``out`` / ``lse`` marks a bad row)."""
     seg = as_segments(segments)
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     g = hq // hkv
     n, pad, sqc, pqc, visible = _xla_chunks(q, k, seg, causal, chunk)
-    delta = jnp.einsum("thd,thd->th", do.astype(jnp.float32), out.astype(jnp.float32))
     qc = pad(q).reshape(n, chunk, hkv, g, d)
     doc = pad(do).reshape(n, chunk, hkv, g, d)
+    oc = pad(out).reshape(n, chunk, hkv, g, d)
     lsec = pad(lse, -jnp.inf).reshape(n, chunk, hkv, g)
-    dlc = pad(delta).reshape(n, chunk, hkv, g)
     kf = k.astype(jnp.float32)
     vf = v.astype(jnp.float32)
 
     def body(carry, xs):
         dk, dv = carry
-        qb, dob, lb, dlb, sqb, pqb = xs
-        qb = qb.astype(jnp.float32)
-        dob = dob.astype(jnp.float32)
-        vis = visible(sqb, pqb)
-        s = jnp.einsum("qhgd,khd->hgqk", qb, kf) * sm_scale
-        lt = jnp.transpose(lb, (1, 2, 0))[..., None]
-        p = jnp.where(vis[None, None], jnp.exp(s - jnp.where(jnp.isfinite(lt), lt, 0.0)), 0.0)
-        dv = dv + jnp.einsum("hgqk,qhgd->khd", p, dob)
-        dp = jnp.einsum("qhgd,khd->hgqk", dob, vf)
-        ds = p * (dp - jnp.transpose(dlb, (1, 2, 0))[..., None]) * sm_scale
-        dq = jnp.einsum("hgqk,khd->qhgd", ds, kf)
-        dk = dk + jnp.einsum("hgqk,qhgd->khd", ds, qb)
-        return (dk, dv), dq
+        qb, dob, ob, lb, sqb, pqb = xs
+        dq, dk_b, dv_b = state.attend_bwd(qb.astype(jnp.float32), kf, vf, visible(sqb, pqb), ob, lb,
+                                          dob.astype(jnp.float32), None, sm_scale)
+        return (dk + dk_b, dv + dv_b), dq
 
     z = jnp.zeros((tk, hkv, d), jnp.float32)
-    (dk, dv), dq = jax.lax.scan(body, (z, z), (qc, doc, lsec, dlc, sqc, pqc))
+    (dk, dv), dq = jax.lax.scan(body, (z, z), (qc, doc, oc, lsec, sqc, pqc))
     dq = dq.reshape(n * chunk, hq, d)[:tq]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
