@@ -140,8 +140,7 @@ class MegaRingPlan:
         if getattr(x, "ndim", 0) < 1 or x.shape[0] != self.static.num_tokens:
             raise ValueError(f"x must have shape [num_tokens={self.static.num_tokens}, ...] (the plan's "
                              f"packed rows); got {getattr(x, 'shape', None)}")
-        y = jnp.asarray(x).at[jnp.asarray(self.shard_src)].get(mode="fill", fill_value=0)
-        y = _constrain(y, self.sharding)
+        y = _to_cp(self.static, x, self.shard_src, self.unshard_src)
         if x.ndim == 3 and self.static.head_axis:
             check_heads(x.shape[1], self.static, "x")
             # Split heads after the token gather (a local slice), so the gather's transpose (a
@@ -155,8 +154,7 @@ class MegaRingPlan:
         if getattr(y, "ndim", 0) < 1 or y.shape[0] != self.cp_tokens:
             raise ValueError(f"y must have shape [{self.cp_tokens}, ...] (the plan's CP layout); "
                              f"got {getattr(y, 'shape', None)}")
-        y = _constrain(jnp.asarray(y), NamedSharding(self.static.mesh, P()))
-        return y.at[jnp.asarray(self.unshard_src)].get(mode="fill", fill_value=0)
+        return _from_cp(self.static, y, self.shard_src, self.unshard_src)
 
     def positions(self) -> jax.Array:
         """``[N * C]`` int32 position of each CP slot's token within its sequence (padding: 0)."""
@@ -323,3 +321,59 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
                         int(memory_budget), head_axis)
     return MegaRingPlan(static, tables, layout.shard_src, layout.unshard_src, local, ring, pl, seqinfo,
                         layout)
+
+
+# ----------------------------------------------------------------------------- shard / unshard
+# Every token has exactly one CP slot, so the two layout moves are each other's transposes
+# (padding slots read 0 and receive nothing): each one's VJP is the other, a gather, never the
+# scatter-add that autodiff of a gather gives. With data and indices replicated on the plan's
+# mesh and the result moved to its sharding, eager jax.grad / jax.vjp work on Explicit-axis
+# meshes (jax.make_mesh's default) and on Auto ones, and nothing lands on one default device.
+
+def _replicated(static: PlanStatic, x) -> jax.Array:
+    return _constrain(jnp.asarray(x), NamedSharding(static.mesh, P()))
+
+
+def _gather_to_cp(static: PlanStatic, x, shard_src):
+    """Padding slots (an index past the packed rows) read 0."""
+    y = _replicated(static, x).at[_replicated(static, shard_src)].get(mode="fill", fill_value=0)
+    return _constrain(y, NamedSharding(static.mesh, P(static.axis_name)))
+
+
+def _gather_from_cp(static: PlanStatic, y, unshard_src):
+    """Rows without a slot (past the batch's tokens under a pinned num_tokens) read 0."""
+    return _replicated(static, y).at[_replicated(static, unshard_src)].get(mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _to_cp(static, x, shard_src, unshard_src):
+    return _gather_to_cp(static, x, shard_src)
+
+
+def _to_cp_fwd(static, x, shard_src, unshard_src):
+    return _gather_to_cp(static, x, shard_src), (shard_src, unshard_src)
+
+
+def _to_cp_bwd(static, res, ct):
+    shard_src, unshard_src = res
+    return _gather_from_cp(static, ct, unshard_src), None, None
+
+
+_to_cp.defvjp(_to_cp_fwd, _to_cp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _from_cp(static, y, shard_src, unshard_src):
+    return _gather_from_cp(static, y, unshard_src)
+
+
+def _from_cp_fwd(static, y, shard_src, unshard_src):
+    return _gather_from_cp(static, y, unshard_src), (shard_src, unshard_src)
+
+
+def _from_cp_bwd(static, res, ct):
+    shard_src, unshard_src = res
+    return _gather_to_cp(static, ct, shard_src), None, None
+
+
+_from_cp.defvjp(_from_cp_fwd, _from_cp_bwd)
