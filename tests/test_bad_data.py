@@ -122,3 +122,51 @@ def test_training_baselines(case, which):
     devices, lengths, placement, spot, seed = case
     fn = base.ring_attention if which == "ring" else base.allgather_attention
     _run_and_check(fn, devices, lengths, placement, spot, seed)
+
+
+@st.composite
+def decode_cases(draw):
+    P = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.integers(1, 4))
+    hist = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    ql = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
+    names = ["q", "k_new", "v_new"] + (["k_hist", "v_hist"] if sum(hist) else [])
+    tensor = draw(st.sampled_from(names))
+    rows = sum(hist) if tensor.endswith("hist") else sum(ql)
+    row = draw(st.integers(0, rows - 1))
+    head = draw(st.integers(0, 2 * P - 1)) if tensor == "q" else 0
+    spot = (tensor, row, head, draw(st.integers(0, D - 1)), draw(st.sampled_from(BAD_VALUES)))
+    return P, tuple(hist), tuple(ql), spot, draw(st.integers(0, 2 ** 16))
+
+
+DECODE_EXAMPLES = [(4, (40, 0, 65), (16, 3, 16), ("v_hist", 39, 0, 2, np.nan), 5),
+                   (2, (33, 17), (5, 16), ("k_new", 4, 0, 0, -np.inf), 6)]
+
+
+@given(decode_cases(), st.sampled_from(["megadcp", "vllm_ag_rs", "vllm_a2a", "sglang_ag_ar"]))
+@example(DECODE_EXAMPLES[0], "megadcp")
+@example(DECODE_EXAMPLES[1], "megadcp")
+@example(DECODE_EXAMPLES[0], "sglang_ag_ar")
+@SETTINGS
+def test_megadcp_and_dcp_baselines(case, which):
+    from liquidcp_jax.baselines import dcp as dcp_base
+    P, hist, ql, spot, seed = case
+    mesh = jax.make_mesh((P,), ("dcp",), devices=jax.devices()[:P])
+    Hq, Tq, Th = 2 * P, sum(ql), sum(hist)
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (Tq, Hq, D), "k_new": (Tq, 1, D), "v_new": (Tq, 1, D), "k_hist": (Th, 1, D),
+              "v_hist": (Th, 1, D)}
+    x = plant({n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}, *spot)
+    args = [x[n] for n in shapes]
+    if which == "megadcp":
+        plan = lcp.plan_megadcp(list(hist), list(ql), mesh, num_q_heads=Hq, head_dim=D, tile=16)
+        out = lcp.megadcp_attention(*(jnp.asarray(a) for a in args), plan)
+    else:
+        plan = dcp_base.plan_dcp_baseline(list(hist), list(ql), mesh, num_q_heads=Hq, head_dim=D, tile=16)
+        out = dcp_base.BASELINES[which](*(jnp.asarray(a) for a in args), plan)
+    ro, _ = reference.decode_reference(*args, list(hist), list(ql))
+    tensor, row, head = spot[:3]
+    kind = tensor[0]
+    key_row = row if tensor.endswith("hist") else Th + row
+    want = dependents(decode_visibility(hist, ql), Hq, 1, kind, row if kind == "q" else key_row, head)
+    check("out", out, ro, want["out"], TOL)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from liquidcp_jax.pallas import bad_data
 from liquidcp_jax.pallas import heuristics
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
@@ -79,6 +80,12 @@ def _check(q, k, v, config):
 
 
 def _forward(q, k, v, seg, causal, sm_scale, config, interpret):
+  """The forward kernel with bad data contained (:func:`bad_data.forward`)."""
+  run = lambda q, k, v: _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret)
+  return bad_data.forward(run, q, k, v, seg, causal)
+
+
+def _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret):
   tq0, hq, d = q.shape
   tr, bkv = TASK_ROWS, config.block_kv
   tk0 = k.shape[0]
@@ -154,15 +161,22 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
   if lse.shape != q.shape[:2]:
     raise ValueError(f"lse.shape {lse.shape} must be [Tq, Hq] = {q.shape[:2]}")
   seg = tables_lib.as_segments(segments)
+  run = lambda q, k, v, do, delta, lse: _backward_kernels(q, k, v, do, delta, lse, seg, causal,
+                                                          sm_scale, config, interpret)
+  return bad_data.backward(run, q, k, v, out, lse, do, seg, causal)
+
+
+def _backward_kernels(q, k, v, do, delta, lse, seg, causal, sm_scale, config, interpret):
+  """The backward kernels (two-kernel, fused, or chosen at run time). ``delta = rowsum(dO *
+  out)`` f32 ``[Tq, Hq]``; non-finite ``lse`` entries (no key, or bad rows) give no gradient."""
   tq, hq, d = q.shape
   tk = k.shape[0]
   tqb, tkb = _roundup(tq, 128), _roundup(tk, 128)
   padr = lambda a, n: a if a.shape[0] == n else jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
   qb, dob = padr(q, tqb), padr(do, tqb)
   kb, vb = padr(k, tkb), padr(v, tkb)
-  delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), out.astype(jnp.float32))
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf).T
-  delta = jnp.pad(delta, ((0, 0), (0, tqb - tq)))
+  delta = jnp.pad(delta.T, ((0, 0), (0, tqb - tq)))
   lse2 = jnp.pad(lse2, ((0, 0), (0, tqb - tq)), constant_values=jnp.inf)
   # The dK/dV view: rows are keys, columns are queries.
   t_kv = tables_lib.build_task_table(seg.kv_start, seg.kv_len, seg.q_start, seg.q_len, seg.kv_pos0,
