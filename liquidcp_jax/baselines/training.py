@@ -31,6 +31,7 @@ from liquidcp_jax import state as st
 from liquidcp_jax.megaring.ops import check_inputs
 from liquidcp_jax.megaring.plan import MegaRingPlan
 from liquidcp_jax.util import constrain as _constrain
+from liquidcp_jax.validation import check_scale
 
 
 def _token_meta(plan: MegaRingPlan):
@@ -116,7 +117,7 @@ def _baseline(kv_pass, name: str, q, k, v, plan: MegaRingPlan, causal: bool, sca
     """Checks the inputs and runs ``kv_pass`` (:func:`_ring_pass` or :func:`_allgather_pass`)."""
     d = check_inputs(q, k, v, plan, causal)
     _check_plan(plan, name)
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = check_scale(scale, d)
     block = _block_size(plan, block)
     return _baseline_jit(q, k, v, plan, kv_pass, causal, scale, block)
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from liquidcp_jax.megadcp.fa3 import (fa3_dynamic_splits, fa3_num_splits,  # noqa: F401
                                        fa3_static_num_splits, num_splits_heuristic)
+from liquidcp_jax.validation import int_vector
 
 ORDERS = ("fifo", "lpt")
 ENGINES = ("auto", "native", "python")
@@ -205,23 +206,10 @@ def _int_vector(x, name: str, *, lo: int, size: int | None = None) -> list[int]:
 
 
 def _int_array(x, name: str, *, lo: int, size: int | None = None) -> np.ndarray:
-    """``x`` checked as a 1-D vector of integers ``>= lo`` (``size`` entries when given), as int64."""
-    arr = np.asarray(x)
-    if arr.ndim != 1 or (size is None and arr.size == 0):
-        raise ValueError(f"{name} must be a non-empty 1-D sequence of ints, got shape {arr.shape}")
-    if size is not None and arr.size != size:
-        raise ValueError(f"{name} has {arr.size} entries; expected {size} (one per sequence)")
-    # dtype.kind instead of np.issubdtype: this runs several times per planner call and
-    # issubdtype alone cost more than the rest of the check.
-    if arr.size and arr.dtype.kind not in "iu":
-        if arr.dtype.kind != "f" or not np.all(np.mod(arr, 1) == 0):
-            raise ValueError(f"{name} must be integers, got {list(arr)[:8]}")
-    if arr.size:
-        low = arr < lo
-        if low.any():  # vectorized: this runs on every planner call
-            i = int(np.argmax(low))
-            raise ValueError(f"{name}[{i}] = {int(arr[i])}; expected every entry >= {lo}")
-    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+    """``x`` checked as a 1-D vector of integers in ``[lo, 2**31 - 1]`` (``size`` entries when
+    given), as int64 (:func:`liquidcp_jax.validation.int_vector`: no booleans, no huge or
+    non-finite floats)."""
+    return int_vector(x, name, lo=lo, size=size, allow_empty=size is not None)
 
 
 def split_sizes(n: int, s: int) -> tuple[tuple[int, int], ...]:

@@ -21,6 +21,7 @@ from liquidcp_jax.executors import xla_dcp
 from liquidcp_jax.megadcp.exec_tables import DcpExecTables
 from liquidcp_jax.megadcp.plan import MegaDcpPlan
 from liquidcp_jax.util import constrain as _constrain
+from liquidcp_jax.validation import check_floating, check_scale
 
 
 def _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout: str):
@@ -54,6 +55,7 @@ def _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout: str):
     dts = {np.dtype(x.dtype) for x in (q, k_new, v_new, k_hist, v_hist)}
     if len(dts) != 1:
         raise ValueError(f"q, k_new, v_new, k_hist, v_hist must share one dtype; got {sorted(map(str, dts))}")
+    check_floating(q, "q")
     n, laid, n_h = k_hist.shape[0], plan.history_capacity, plan.num_history_tokens
     if history_layout not in ("auto", "packed", "sharded"):
         raise ValueError(f'history_layout must be "auto", "packed" or "sharded"; got {history_layout!r}')
@@ -83,7 +85,7 @@ def run_dcp(combine, q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, scal
     interpreter when it is True)."""
     D, packed = _check_inputs(q, k_new, v_new, k_hist, v_hist, plan, history_layout)
     s = plan.static.shape
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = check_scale(scale, D)
     if packed:
         k_hist, v_hist = plan.shard_history(k_hist), plan.shard_history(v_hist)
     Tq, Hq = q.shape[:2]

@@ -30,9 +30,14 @@ from liquidcp_jax.megadcp import critical_wave as cw
 from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape, build_exec_tables, shard_src
 from liquidcp_jax.megadcp.tables import DcpTables, bucket, build_descriptor_tables
 from liquidcp_jax.util import constrain as _constrain
+from liquidcp_jax.validation import check_keys
 
 DEFAULT_MEMORY_BUDGET = 256 << 20   # bytes of attention temporaries per block of pairs
 _TABLE_KEYS = ("requests", "chunk", "history", "reductions", "reduction_inputs", "finals", "blocks")
+# Every key of plan.capacity (what capacities= accepts), besides the engine's
+# (megadcp_engine_op.CAPACITY_KEYS).
+_CAPACITY_KEYS = _TABLE_KEYS + ("chunk_pairs", "history_pairs", "red_inputs", "red_run",
+                                "query_tokens", "history_tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,11 +176,11 @@ def validate_batch(history_lengths, query_lengths, mesh: Mesh, axis_name: str, n
         raise ValueError(f"num_q_heads={num_q_heads!r} must be a positive multiple of the DCP degree "
                          f"P={Pn} (mesh axis {axis_name!r}){per}: each rank owns Hq / (Hkv * P) "
                          f"query heads of every KV head")
-    hist = np.asarray(cw._int_vector(history_lengths, "history_lengths", lo=0), np.int64)
-    if len(query_lengths) != hist.size:
-        raise ValueError(f"query_lengths has {len(query_lengths)} entries; expected {hist.size} "
+    hist = cw._int_array(history_lengths, "history_lengths", lo=0)
+    qlen = cw._int_array(query_lengths, "query_lengths", lo=1)
+    if qlen.size != hist.size:
+        raise ValueError(f"query_lengths has {qlen.size} entries; expected {hist.size} "
                          f"(one per history_lengths entry)")
-    qlen = np.asarray(cw._int_vector(query_lengths, "query_lengths", lo=1, size=hist.size), np.int64)
     return Pn, hist, qlen
 
 
@@ -219,7 +224,8 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     if int(memory_budget) < 1:
         raise ValueError(f"memory_budget must be a positive number of bytes; got {memory_budget!r}")
     hq = int(num_q_heads) // int(num_kv_heads) // Pn
-    caps = dict(capacities or {})
+    from liquidcp_jax.pallas import megadcp_engine_op as engine_op
+    caps = check_keys(capacities, _CAPACITY_KEYS + tuple(engine_op.CAPACITY_KEYS), "capacities")
     t = build_descriptor_tables(hist, qlen, Pn, hq, params=params, tile=tile,
                                 rows_per_tile=rows_per_tile, splits=splits,
                                 num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
@@ -240,7 +246,6 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
                        int(num_kv_heads))
     capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
                 "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
-    from liquidcp_jax.pallas import megadcp_engine_op as engine_op
     fits = engine_op.fits_plan(hist_cap, engine_config)
     if fits is None and num_kv_heads != 1:
         fits = f"the GPU engine runs one KV head per DCP group; num_kv_heads={num_kv_heads}"

@@ -21,7 +21,7 @@ from liquidcp_jax.executors import segment_ring as ring_exec
 from liquidcp_jax.executors import xla as xla_exec
 from liquidcp_jax.megaring.plan import MegaRingPlan, PlanStatic, check_heads
 from liquidcp_jax.util import constrain as _constrain
-from liquidcp_jax.validation import check_qkv
+from liquidcp_jax.validation import check_layout, check_qkv, check_scale, note_layout
 
 
 def _local(fn, static: PlanStatic, n_data: int, n_tables: int, n_out: int):
@@ -118,9 +118,10 @@ def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute
     interpreter, one device only) or ``"xla"`` (the portable twin, any mesh). ``config`` /
     ``bwd_config``: Pallas ``TuningConfig`` / ``BwdTuningConfig``. Returns ``[N * capacity, Hq, D]``.
     """
-    check_inputs(q, k, v, plan, plan.static.causal)
-    if not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python float (it is static in the kernels); got {type(scale).__name__}")
+    d = check_inputs(q, k, v, plan, plan.static.causal)
+    if scale is None:
+        raise ValueError("scale must be a Python float (it is static in the kernels); got None")
+    scale = check_scale(scale, d)
     if compute not in ring_exec.COMPUTES:
         raise ValueError(f"compute must be one of {ring_exec.COMPUTES}; got {compute!r}")
     if interpret and plan.static.num_devices > 1:
@@ -131,7 +132,7 @@ def segment_ring_attention(q, k, v, plan: MegaRingPlan, *, scale: float, compute
     sh = plan.sharding
     ring = tuple(_constrain(jnp.asarray(x), sh) for x in plan.ring_segments)
     q, k, v = (_constrain(x, plan.head_sharding) for x in (q, k, v))
-    return _megaring_ring_jit(q, k, v, ring, plan.static, spec)
+    return note_layout(_megaring_ring_jit(q, k, v, ring, plan.static, spec), plan.layout_fingerprint)
 
 
 def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool | None) -> int:
@@ -152,6 +153,7 @@ def check_inputs(q, k, v, plan: MegaRingPlan, causal: bool | None) -> int:
         raise ValueError(f"causal={causal} but the plan was built with causal={plan.static.causal}; "
                          f"rebuild it with plan_megaring(..., causal={bool(causal)})")
     for name, x in (("q", q), ("k", k), ("v", v)):
+        check_layout(x, plan.layout_fingerprint, name)
         sh = getattr(x, "sharding", None)
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and isinstance(sh, NamedSharding):
             if sh.mesh.devices.shape != plan.mesh.devices.shape or \
@@ -167,7 +169,8 @@ def megaring_attention_with_lse(q, k, v, plan: MegaRingPlan, *, causal: bool | N
     """Like :func:`megaring_attention` but also returns the natural-log LSE ``[N * capacity, Hq]``
     f32. Only the XLA executor propagates LSE cotangents, so ``"auto"`` means ``"xla"`` here."""
     call = _call(q, k, v, plan, causal, scale, with_lse=True)
-    return BACKENDS.select(backend, call, auto=("xla",))[0].run(call)
+    out, lse = BACKENDS.select(backend, call, auto=("xla",))[0].run(call)
+    return note_layout(out, plan.layout_fingerprint), note_layout(lse, plan.layout_fingerprint)
 
 
 def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool | None = None, scale: float | None = None,
@@ -197,7 +200,7 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool | None = Non
     if chosen.name == "xla" and backend == "auto" and any(
             dev.platform == "gpu" for dev in plan.mesh.devices.flat):
         warnings.warn(f"megaring_attention: using the XLA executor ({why})", stacklevel=2)
-    return chosen.run(call)
+    return note_layout(chosen.run(call), plan.layout_fingerprint)
 
 
 def pallas_one_step(q, k, v, plan: MegaRingPlan, *, scale: float, interpret: bool = False):
@@ -246,7 +249,7 @@ class MegaRingCall(NamedTuple):
 
 def _call(q, k, v, plan, causal, scale, *, with_lse: bool) -> MegaRingCall:
     d = check_inputs(q, k, v, plan, causal)
-    return MegaRingCall(q, k, v, plan, d ** -0.5 if scale is None else float(scale), with_lse)
+    return MegaRingCall(q, k, v, plan, check_scale(scale, d), with_lse)
 
 
 def _run_xla(call: MegaRingCall):

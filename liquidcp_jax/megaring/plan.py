@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 from typing import Any
 
 import jax
@@ -28,7 +29,9 @@ from liquidcp_jax.megaring.local_segments import LocalSegments, build_local_segm
 from liquidcp_jax.megaring.ring_segments import RingSegments, build_ring_segments
 from liquidcp_jax.megaring.tables import MegaRingTables, SequenceInfo, build_megaring_tables
 from liquidcp_jax.util import constrain as _constrain, pow2_bucket
-from liquidcp_jax.validation import validate_lengths
+from liquidcp_jax.validation import check_layout, note_layout, validate_lengths
+
+MAX_TOKENS = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +149,7 @@ class MegaRingPlan:
             # Split heads after the token gather (a local slice), so the gather's transpose (a
             # scatter) sees whole heads, as without a head axis.
             y = _constrain(y, self.head_sharding)
-        return y
+        return note_layout(y, self.layout_fingerprint)
 
     def unshard(self, y: jax.Array) -> jax.Array:
         """CP layout ``[N * C, ...]`` -> packed ``[num_tokens, ...]`` (replicated; rows past the
@@ -154,7 +157,19 @@ class MegaRingPlan:
         if getattr(y, "ndim", 0) < 1 or y.shape[0] != self.cp_tokens:
             raise ValueError(f"y must have shape [{self.cp_tokens}, ...] (the plan's CP layout); "
                              f"got {getattr(y, 'shape', None)}")
+        check_layout(y, self.layout_fingerprint, "y")
         return _from_cp(self.static, y, self.shard_src, self.unshard_src)
+
+    @functools.cached_property
+    def layout_fingerprint(self) -> int | None:
+        """A hash of the plan's layout (its index tables), or ``None`` inside ``jit``. Arrays that
+        :meth:`shard` and the ops return outside ``jit`` are noted with it, and the ops refuse
+        such arrays under a plan of another layout (same shapes, other tokens in the slots)."""
+        src = [self.shard_src, self.unshard_src]
+        if any(isinstance(a, jax.core.Tracer) for a in src):
+            return None
+        return zlib.crc32(np.asarray(src[1], np.int32).tobytes(),
+                          zlib.crc32(np.asarray(src[0], np.int32).tobytes()))
 
     def positions(self) -> jax.Array:
         """``[N * C]`` int32 position of each CP slot's token within its sequence (padding: 0)."""
@@ -263,6 +278,9 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
         raise ValueError(f"head_axis={head_axis!r} must be None, \"auto\" or an axis of the mesh "
                          f"other than axis_name={axis_name!r}; the mesh has {tuple(mesh.shape)}")
     lengths = validate_lengths(lengths)
+    if sum(lengths) > MAX_TOKENS:
+        raise ValueError(f"lengths sum to {sum(lengths)} tokens; expected at most {MAX_TOKENS} (2**30: "
+                         f"the CP layout pads up to twice the tokens and indexes them with int32)")
     N = int(mesh.shape[axis_name])
     if capacity is not None and not isinstance(capacity, MegaRingCapacity):
         raise ValueError(f"capacity must be a megaring.MegaRingCapacity (plan.capacity, capacity_for "

@@ -27,8 +27,10 @@ from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
 from liquidcp_jax.pallas import tile_attention_fwd as fwd_lib
 from liquidcp_jax.pallas.common import LOG2E, TASK_ROWS
 from liquidcp_jax.reference.xla_twins import xla_segment_attention_bwd
+from liquidcp_jax.validation import check_scale, check_segments
 
 TuningConfig = fwd_lib.TuningConfig
+_SEGMENT_NAMES = {f: f"segments.{f}" for f in tables_lib.Segments._fields}
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Task-table launch orders (``tables.build_task_table``): the forward runs the batch's heaviest
 # tasks first; the backward sequence by sequence, so the CTAs resident at one time share one
@@ -160,6 +162,8 @@ def segment_attention_bwd(q, k, v, out, lse, do, segments, *, causal, sm_scale, 
       raise ValueError(f"{name}.shape {x.shape} must equal q.shape {q.shape}")
   if lse.shape != q.shape[:2]:
     raise ValueError(f"lse.shape {lse.shape} must be [Tq, Hq] = {q.shape[:2]}")
+  sm_scale = check_scale(sm_scale, q.shape[2], name="sm_scale")
+  check_segments(segments, q.shape[0], k.shape[0], _SEGMENT_NAMES)
   seg = tables_lib.as_segments(segments)
   run = lambda q, k, v, do, delta, lse: _backward_kernels(q, k, v, do, delta, lse, seg, causal,
                                                           sm_scale, config, interpret)
@@ -223,9 +227,9 @@ def segment_attention(q, k, v, segments, *, causal: bool, sm_scale: float,
   config = TuningConfig() if config is None else config
   seg = tables_lib.as_segments(segments)
   _check(q, k, v, config)
-  if not isinstance(sm_scale, (int, float)):
-    raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
-  return _forward(q, k, v, seg, bool(causal), float(sm_scale), config, bool(interpret))
+  sm_scale = check_scale(sm_scale, q.shape[2], name="sm_scale")
+  check_segments(segments, q.shape[0], k.shape[0], _SEGMENT_NAMES)
+  return _forward(q, k, v, seg, bool(causal), sm_scale, config, bool(interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
@@ -280,10 +284,12 @@ def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, c
   tables_lib.as_segments(tables_lib.Segments.self_attention(*seg, jnp.asarray(num_segs, jnp.int32), xp=jnp),
                names)
   _check(q, k, v, config)
+  check_segments(tables_lib.Segments.self_attention(seg_q_start, seg_kv_start, seg_len, num_segs,
+                                                    xp=jnp),
+                 q.shape[0], k.shape[0], names)
   if bwd_impl not in ("pallas", "xla"):
     raise ValueError(f"bwd_impl must be 'pallas' or 'xla', got {bwd_impl!r}")
-  if not isinstance(sm_scale, (int, float)):
-    raise ValueError(f"sm_scale must be a Python float, got {type(sm_scale)}")
+  sm_scale = check_scale(sm_scale, q.shape[2], name="sm_scale")
   bwd_config = bwd_lib.BwdTuningConfig() if bwd_config is None else bwd_config
   if not isinstance(bwd_config, bwd_lib.BwdTuningConfig):
     raise ValueError(f"bwd_config must be a BwdTuningConfig, got {type(bwd_config)}")
