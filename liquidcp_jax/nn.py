@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from liquidcp_jax import state
 from liquidcp_jax.megaring import MegaRingPlan, megaring_attention
 
 
@@ -48,14 +49,14 @@ def packed_attention(q, k, v, segment_ids, positions, *, causal: bool = True):
 
     ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]``, ``segment_ids, positions: [T]`` -> ``[T, Hq, D]``.
     """
-    rep = q.shape[1] // k.shape[1]
-    kk, vv = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    s = jnp.einsum("mhd,nhd->hmn", q, kk, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    T, hq, d = q.shape
+    hkv = k.shape[1]
     mask = segment_ids[:, None] == segment_ids[None, :]
     if causal:
         mask &= positions[None, :] <= positions[:, None]
-    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
-    return jnp.einsum("hmn,nhd->mhd", p.astype(v.dtype), vv).astype(q.dtype)
+    # The library's masked block attention: bad data reaches only the rows that depend on it.
+    st = state.attend_vjp(q.reshape(T, hkv, hq // hkv, d), k, v, mask, d ** -0.5)
+    return st.out.reshape(T, hq, d).astype(q.dtype)
 
 
 def _positive_int(val, name: str):

@@ -52,6 +52,12 @@ def _shift(m: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
 
 
+def _weighted(w, lses, outs):
+    """``w * out`` per state; an empty state (``lse = -inf``) is left out of the sum, not
+    multiplied by its zero weight: its ``out`` may be anything (a padded gather, a stale row)."""
+    return jnp.where((lses == -jnp.inf)[..., None], 0.0, w[..., None] * outs)
+
+
 def _finish(num, denom, m):
     """``(num / denom, m + log(denom))``; exactly empty rows (``denom == 0``) -> ``(0, -inf)``;
     NaN stays NaN."""
@@ -77,7 +83,7 @@ def merge_stacked(outs: jax.Array, lses: jax.Array, axis: int = 0) -> PartialSta
     m = _shift(jnp.max(lses, axis=axis, keepdims=True))
     w = jnp.exp(lses - m)                      # 0 for empty states, NaN for NaN ones
     denom = jnp.sum(w, axis=axis)
-    num = jnp.sum(w[..., None] * outs, axis=axis)
+    num = jnp.sum(_weighted(w, lses, outs), axis=axis)
     return _finish(num, denom, jnp.squeeze(m, axis))
 
 
@@ -122,7 +128,7 @@ def merge_segments(outs: jax.Array, lses: jax.Array, segment_ids: jax.Array,
     m = _shift(jax.ops.segment_max(lses, seg, num_segments + 1))
     w = jnp.exp(lses - m[seg])
     denom = jax.ops.segment_sum(w, seg, num_segments + 1)
-    num = jax.ops.segment_sum(w[..., None] * outs, seg, num_segments + 1)
+    num = jax.ops.segment_sum(_weighted(w, lses, outs), seg, num_segments + 1)
     return _finish(num[:num_segments], denom[:num_segments], m[:num_segments])
 
 

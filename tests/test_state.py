@@ -61,3 +61,48 @@ def test_merge_rejects_bad_input():
         state.merge()
     with pytest.raises(ValueError, match="shapes"):
         state.merge((jnp.zeros((2, 4)), jnp.zeros(2)), (jnp.zeros((3, 4)), jnp.zeros(3)))
+
+
+def test_merges_propagate_nan_row_by_row(rng):
+    """A NaN state makes exactly its row NaN (out, and lse when its lse is NaN); an empty state
+    (lse = -inf) is left out whatever its out holds (issue 22)."""
+    outs = jnp.asarray(rng.standard_normal((3, 5, 8)), jnp.float32)
+    lses = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+    outs = outs.at[0, 1, 2].set(jnp.nan)                  # row 1: a value-bad state (lse finite)
+    lses = lses.at[2, 3].set(jnp.nan).at[1, 3].set(50.0)  # row 3: a score-bad state, far below
+    outs = outs.at[1, 4].set(jnp.nan)                     # row 4: NaN out in an empty state
+    lses = lses.at[1, 4].set(-jnp.inf)
+    for o, l in (state.merge_stacked(outs, lses),
+                 state.merge_segments(outs.reshape(15, 8), lses.reshape(15),
+                                      jnp.tile(jnp.arange(5), 3), 5)):
+        o, l = np.asarray(o), np.asarray(l)
+        assert np.array_equal(~np.isfinite(o).all(-1), [False, True, False, True, False])
+        assert np.array_equal(np.isnan(l), [False, False, False, True, False])
+        ro, rl = _np_merge(np.asarray(outs)[[0, 2], 4], np.asarray(lses)[[0, 2], 4])
+        np.testing.assert_allclose(o[4], ro, rtol=1e-5)
+
+
+def test_attend_matches_float64_with_bad_data(rng):
+    """state.attend / attend_bwd against the float64 reference on a random mask with bad entries."""
+    from liquidcp_jax.reference import float64 as f64
+    M, N, hkv, rep, d = 9, 13, 2, 2, 8
+    q = rng.standard_normal((M, hkv * rep, d)); k = rng.standard_normal((N, hkv, d))
+    v = rng.standard_normal((N, hkv, d)); do = rng.standard_normal((M, hkv * rep, d))
+    mask = rng.random((M, N)) < 0.4
+    mask[3] = False                                        # a row that sees nothing
+    q[3, 1, 0] = np.nan                                    # ... whose bad query reaches nothing
+    k[int(np.argmax(mask[5])), 1, 2] = -np.inf
+    v[int(np.argmax(mask[0])), 0, 1] = np.nan
+    ro, rl = f64._attend(q, k, v, mask, 0.3)
+    rdq, rdk, rdv = f64._attend_vjp(q, k, v, do, mask, 0.3)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    st = state.attend(f32(q).reshape(M, hkv, rep, d), f32(k), f32(v), jnp.asarray(mask), 0.3)
+    dq, dk, dv = state.attend_bwd(f32(q).reshape(M, hkv, rep, d), f32(k), f32(v), jnp.asarray(mask),
+                                  st.out, st.lse, f32(do).reshape(M, hkv, rep, d), None, 0.3)
+    from liquidcp_jax.reference import rel_error
+    for got, ref in ((st.out.reshape(M, -1, d), ro), (st.lse.reshape(M, -1), rl),
+                     (dq.reshape(M, -1, d), rdq), (dk, rdk), (dv, rdv)):
+        got = np.asarray(got, np.float64)
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        assert rel_error(got, ref) < 1e-5
+    assert np.isnan(ro).any() and np.isfinite(ro[3]).all() and (ro[3] == 0).all()

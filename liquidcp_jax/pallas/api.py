@@ -276,6 +276,11 @@ def varlen_attention(q, k, v, seg_q_start, seg_kv_start, seg_len, num_segs, *, c
   backward). ``bwd_impl``: "pallas" (Mosaic GPU dQ, dK/dV kernels, tuned by ``bwd_config``) or
   "xla". Returns (out [T, Hq, D] q.dtype,
   lse [T, Hq] float32 natural log); rows in no segment get out = 0, lse = -inf.
+
+  Segment ranges (inside ``[0, T)`` / ``[0, Tk)``, no overlap in q, lengths >= 0, ``num_segs``
+  within the table) are checked where the values are concrete; inside ``jit`` they are the
+  caller's responsibility. Non-finite inputs reach exactly the rows and gradient entries that
+  depend on them, as NaN (:mod:`bad_data`).
   """
   config = TuningConfig() if config is None else config
   seg = tuple(jnp.asarray(a, jnp.int32) for a in (seg_q_start, seg_kv_start, seg_len))
