@@ -309,6 +309,6 @@ def rel_error(x, ref) -> float:
     fin = np.isfinite(ref)
     if not np.array_equal(np.isfinite(x), fin):
         return float("inf")
-    num = np.linalg.norm((x - ref)[fin])
+    num = np.linalg.norm(x[fin] - ref[fin])
     den = np.linalg.norm(ref[fin])
     return float(num / den) if den > 0 else float(num)
