@@ -92,23 +92,20 @@ def _segring(q, k, v, plan):
     return mr_ops.segment_ring_attention(q, k, v, plan, scale=D ** -0.5, compute="xla")
 
 
-@given(cases())
-@example(EXAMPLES[0])
-@example(EXAMPLES[1])
-@example(EXAMPLES[2])
-@example(EXAMPLES[3])
-@SETTINGS
+def _packed_property(test):
+    """``test(case)`` over drawn packed cases and every case of EXAMPLES."""
+    for case in reversed(EXAMPLES):
+        test = example(case)(test)
+    return given(cases())(SETTINGS(test))
+
+
+@_packed_property
 def test_xla_executor(case):
     devices, lengths, placement, spot, seed = case
     _run_and_check(_xla, devices, lengths, placement, spot, seed, with_lse=True)
 
 
-@given(cases())
-@example(EXAMPLES[0])
-@example(EXAMPLES[1])
-@example(EXAMPLES[2])
-@example(EXAMPLES[3])
-@SETTINGS
+@_packed_property
 def test_segment_ring_twin(case):
     devices, lengths, placement, spot, seed = case
     _run_and_check(_segring, devices, lengths, placement, spot, seed)

@@ -347,6 +347,8 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
 # scatter-add that autodiff of a gather gives. With data and indices replicated on the plan's
 # mesh and the result moved to its sharding, eager jax.grad / jax.vjp work on Explicit-axis
 # meshes (jax.make_mesh's default) and on Auto ones, and nothing lands on one default device.
+# (jax.grad of a scalar that lives on an Explicit mesh needs `with jax.set_mesh(mesh):` outside
+# jit, whatever computes it: JAX's rule for every function, not this module's; jax.vjp does not.)
 
 def _replicated(static: PlanStatic, x) -> jax.Array:
     return _constrain(jnp.asarray(x), NamedSharding(static.mesh, P()))
@@ -363,35 +365,16 @@ def _gather_from_cp(static: PlanStatic, y, unshard_src):
     return _replicated(static, y).at[_replicated(static, unshard_src)].get(mode="fill", fill_value=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _to_cp(static, x, shard_src, unshard_src):
-    return _gather_to_cp(static, x, shard_src)
+def _layout_move(move, transpose):
+    """``move(static, x, shard_src, unshard_src)`` as a ``custom_vjp`` whose VJP is
+    ``transpose`` (the other move) applied to the cotangent."""
+    f = jax.custom_vjp(move, nondiff_argnums=(0,))
+    f.defvjp(lambda static, x, s, u: (move(static, x, s, u), (s, u)),
+             lambda static, res, ct: (transpose(static, ct, *res), None, None))
+    return f
 
 
-def _to_cp_fwd(static, x, shard_src, unshard_src):
-    return _gather_to_cp(static, x, shard_src), (shard_src, unshard_src)
-
-
-def _to_cp_bwd(static, res, ct):
-    shard_src, unshard_src = res
-    return _gather_from_cp(static, ct, unshard_src), None, None
-
-
-_to_cp.defvjp(_to_cp_fwd, _to_cp_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _from_cp(static, y, shard_src, unshard_src):
-    return _gather_from_cp(static, y, unshard_src)
-
-
-def _from_cp_fwd(static, y, shard_src, unshard_src):
-    return _gather_from_cp(static, y, unshard_src), (shard_src, unshard_src)
-
-
-def _from_cp_bwd(static, res, ct):
-    shard_src, unshard_src = res
-    return _gather_to_cp(static, ct, shard_src), None, None
-
-
-_from_cp.defvjp(_from_cp_fwd, _from_cp_bwd)
+_to_cp = _layout_move(lambda st, x, s, u: _gather_to_cp(st, x, s),
+                      lambda st, ct, s, u: _gather_from_cp(st, ct, u))
+_from_cp = _layout_move(lambda st, y, s, u: _gather_from_cp(st, y, u),
+                        lambda st, ct, s, u: _gather_to_cp(st, ct, s))
