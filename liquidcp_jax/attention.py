@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from liquidcp_jax.validation import check_floating, check_scale
+
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
@@ -33,7 +35,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       bias: optional logits bias broadcastable to ``[B, N, T, S]`` (``[N, T, S]``); XLA only.
       mask: optional bool mask broadcastable to ``[B, N, T, S]`` (``[N, T, S]``), ``True`` where a
         query may attend a key; XLA only.
-      scale: logit scale, default ``1 / sqrt(H)``.
+      scale: logit scale, default ``1 / sqrt(H)``; a positive Python float (static: a traced
+        value is refused).
       is_causal: key ``j`` is visible to query ``i`` only if ``j <= i`` (positions in the row, as
         ``jax.nn``'s ``tril``; within a packed segment: positions in the segment).
       query_seq_lengths, key_value_seq_lengths: ``[B]`` int32 valid lengths of padded rows (as
@@ -51,6 +54,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         ``*_seq_lengths``), else ``"xla"``. ``"pallas"``: the Mosaic GPU varlen kernels
         (:func:`liquidcp_jax.pallas.api.varlen_attention`; raises ``ValueError`` saying why it
         cannot run). ``"xla"``: dense masked attention, any device (``O(T * S)`` memory per head).
+        Bad data: a NaN / inf in ``query``, ``key`` or ``value`` reaches only the rows (outputs
+        and gradients) that see it, as ``lcp.reference`` defines (without ``bias``; with one, the
+        XLA path is plain softmax attention and a bad value can spread through ``0 * x``).
     Returns:
       ``query``'s shape and dtype. Rows that attend no key (padding) are 0.
     """
@@ -60,13 +66,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         q, k, v = q[None], k[None], v[None]
     B, T, N, H = q.shape
     S = k.shape[1]
-    if scale is None:
-        scale = float(H) ** -0.5
-    elif isinstance(scale, (jax.Array, np.ndarray)) and getattr(scale, "ndim", 0) == 0 and \
-            not isinstance(scale, jax.core.Tracer):
-        scale = float(scale)
-    if not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a Python float or None; got {type(scale).__name__}")
+    scale = check_scale(scale, H)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f'implementation must be None, "xla" or "pallas"; got {implementation!r}')
     if segment_ids is not None and lengths is not None:
@@ -110,6 +110,8 @@ def _check_layout(q, k, v) -> bool:
     if q.shape[-2] % k.shape[-2]:
         raise ValueError(f"query heads N={q.shape[-2]} must be a multiple of key heads "
                          f"K={k.shape[-2]}")
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        check_floating(x, name)
     return q.ndim == 3
 
 
@@ -246,10 +248,11 @@ def _xla(q, k, v, bias, mask, seg, lens, qlen, kvlen, causal: bool, scale: float
         allowed &= (jnp.arange(S)[None, :] < kvlen[:, None])[:, None, None, :]
     if mask is not None:
         allowed = allowed & mask
+    if bias is None:
+        return _xla_masked(q, k, v, allowed, scale)
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    if bias is not None:
-        s = s + jnp.broadcast_to(bias, (B, N, T, S)).astype(jnp.float32).reshape(B, K, G, T, S)
+    s = s + jnp.broadcast_to(bias, (B, N, T, S)).astype(jnp.float32).reshape(B, K, G, T, S)
     allowed = jnp.broadcast_to(allowed, (B, N, T, S)).reshape(B, K, G, T, S)
     s = jnp.where(allowed, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))   # softmax does not depend on it
@@ -257,4 +260,27 @@ def _xla(q, k, v, bias, mask, seg, lens, qlen, kvlen, causal: bool, scale: float
     den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
     out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+    return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def _xla_masked(q, k, v, allowed, scale: float):
+    """Masked attention without bias on :func:`liquidcp_jax.state.attend_vjp`, the XLA paths'
+    shared block attention: a masked (query, key) pair is excluded from the arithmetic, so a
+    non-finite value reaches only the rows (outputs and gradients) that see it. ``allowed``:
+    ``[B, 1 | N, T, S]`` bool."""
+    from liquidcp_jax.state import attend_vjp
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    qg, vf = q.reshape(B, T, K, G, H), v.astype(jnp.float32)
+    if allowed.shape[1] == 1:                              # one mask for every head
+        mask = jnp.broadcast_to(allowed, (B, 1, T, S))[:, 0]
+        out = attend_vjp(qg, k, vf, mask, scale).out     # [B, T, K, G, H]
+    else:                                                  # per-head masks: heads as batch axes
+        mask = jnp.broadcast_to(allowed, (B, N, T, S)).reshape(B, K, G, T, S)
+        kv = lambda x: jnp.broadcast_to(jnp.swapaxes(x, 1, 2)[:, :, None, :, None, :],
+                                        (B, K, G, S, 1, H))
+        qh = jnp.transpose(qg, (0, 2, 3, 1, 4))[:, :, :, :, None, None, :]   # [B, K, G, T, 1, 1, H]
+        out = attend_vjp(qh, kv(k), kv(vf), mask, scale).out[:, :, :, :, 0, 0]   # [B, K, G, T, H]
+        out = jnp.transpose(out, (0, 3, 1, 2, 4))
     return out.reshape(B, T, N, H).astype(q.dtype)

@@ -124,6 +124,7 @@ def test_training_baselines(case, which):
 @st.composite
 def decode_cases(draw):
     P = draw(st.sampled_from([1, 2, 4, 8]))
+    hkv = draw(st.sampled_from([1, 2]))     # KV heads (MegaDCP vmaps its program over them)
     n = draw(st.integers(1, 4))
     hist = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
     ql = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
@@ -131,39 +132,79 @@ def decode_cases(draw):
     tensor = draw(st.sampled_from(names))
     rows = sum(hist) if tensor.endswith("hist") else sum(ql)
     row = draw(st.integers(0, rows - 1))
-    head = draw(st.integers(0, 2 * P - 1)) if tensor == "q" else 0
+    head = draw(st.integers(0, (2 * P * hkv if tensor == "q" else hkv) - 1))
     spot = (tensor, row, head, draw(st.integers(0, D - 1)), draw(st.sampled_from(BAD_VALUES)))
-    return P, tuple(hist), tuple(ql), spot, draw(st.integers(0, 2 ** 16))
+    return P, hkv, tuple(hist), tuple(ql), spot, draw(st.integers(0, 2 ** 16))
 
 
-DECODE_EXAMPLES = [(4, (40, 0, 65), (16, 3, 16), ("v_hist", 39, 0, 2, np.nan), 5),
-                   (2, (33, 17), (5, 16), ("k_new", 4, 0, 0, -np.inf), 6)]
+DECODE_EXAMPLES = [(4, 1, (40, 0, 65), (16, 3, 16), ("v_hist", 39, 0, 2, np.nan), 5),
+                   (2, 1, (33, 17), (5, 16), ("k_new", 4, 0, 0, -np.inf), 6),
+                   (2, 2, (30, 21), (7, 9), ("v_hist", 29, 1, 3, np.inf), 7),
+                   (4, 2, (12, 0, 40), (3, 5, 8), ("q", 9, 13, 1, np.nan), 8)]
 
 
 @given(decode_cases(), st.sampled_from(["megadcp", "vllm_ag_rs", "vllm_a2a", "sglang_ag_ar"]))
 @example(DECODE_EXAMPLES[0], "megadcp")
 @example(DECODE_EXAMPLES[1], "megadcp")
+@example(DECODE_EXAMPLES[2], "megadcp")
+@example(DECODE_EXAMPLES[3], "megadcp")
 @example(DECODE_EXAMPLES[0], "sglang_ag_ar")
+@example(DECODE_EXAMPLES[2], "vllm_a2a")
 @SETTINGS
 def test_megadcp_and_dcp_baselines(case, which):
     from liquidcp_jax.baselines import dcp as dcp_base
-    P, hist, ql, spot, seed = case
+    P, hkv, hist, ql, spot, seed = case
     mesh = jax.make_mesh((P,), ("dcp",), devices=jax.devices()[:P])
-    Hq, Tq, Th = 2 * P, sum(ql), sum(hist)
+    Hq, Tq, Th = 2 * P * hkv, sum(ql), sum(hist)
     rng = np.random.default_rng(seed)
-    shapes = {"q": (Tq, Hq, D), "k_new": (Tq, 1, D), "v_new": (Tq, 1, D), "k_hist": (Th, 1, D),
-              "v_hist": (Th, 1, D)}
+    shapes = {"q": (Tq, Hq, D), "k_new": (Tq, hkv, D), "v_new": (Tq, hkv, D),
+              "k_hist": (Th, hkv, D), "v_hist": (Th, hkv, D)}
     x = plant({n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}, *spot)
     args = [x[n] for n in shapes]
+    kw = dict(num_q_heads=Hq, num_kv_heads=hkv, head_dim=D, tile=16)
     if which == "megadcp":
-        plan = lcp.plan_megadcp(list(hist), list(ql), mesh, num_q_heads=Hq, head_dim=D, tile=16)
-        out = lcp.megadcp_attention(*(jnp.asarray(a) for a in args), plan)
+        plan = lcp.plan_megadcp(list(hist), list(ql), mesh, engine=False, **kw)
+        out = lcp.megadcp_attention(*(jnp.asarray(a) for a in args), plan, backend="xla")
     else:
-        plan = dcp_base.plan_dcp_baseline(list(hist), list(ql), mesh, num_q_heads=Hq, head_dim=D, tile=16)
+        plan = dcp_base.plan_dcp_baseline(list(hist), list(ql), mesh, **kw)
         out = dcp_base.BASELINES[which](*(jnp.asarray(a) for a in args), plan)
     ro, _ = reference.decode_reference(*args, list(hist), list(ql))
     tensor, row, head = spot[:3]
     kind = tensor[0]
     key_row = row if tensor.endswith("hist") else Th + row
-    want = dependents(decode_visibility(hist, ql), Hq, 1, kind, row if kind == "q" else key_row, head)
+    want = dependents(decode_visibility(hist, ql), Hq, hkv, kind, row if kind == "q" else key_row, head)
     check("out", out, ro, want["out"], TOL)
+
+
+@given(cases(placements=("all_cp",)), st.sampled_from(["lengths", "segment_ids", "head_mask"]),
+       st.booleans())
+@example(EXAMPLES[0], "lengths", True)
+@example(EXAMPLES[2], "segment_ids", False)
+@example(EXAMPLES[1], "head_mask", True)
+@SETTINGS
+def test_dot_product_attention_xla(case, packing, causal):
+    """lcp.dot_product_attention's XLA path over a packed row ([T, N, H]): by lengths=, by
+    segment_ids=, or by segment_ids= with a per-head mask (all True: the heads-as-batch branch)."""
+    _, lengths, _, spot, seed = case
+    x, do = _inputs(lengths, seed, spot)
+    T = sum(lengths)
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths), jnp.int32)
+    kw = ({"lengths": jnp.asarray(lengths, jnp.int32)} if packing == "lengths" else
+          {"segment_ids": seg})
+    if packing == "head_mask":
+        kw["mask"] = jnp.ones((HQ, T, T), bool)
+
+    def f(q, k, v):
+        return lcp.dot_product_attention(q, k, v, is_causal=causal, implementation="xla", **kw)
+
+    q, k, v = (jnp.asarray(x[n]) for n in TENSORS)
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    dq, dk, dv = vjp(jnp.asarray(do))
+    ro, _ = reference.attention_reference(x["q"], x["k"], x["v"], lengths, causal=causal)
+    rdq, rdk, rdv = reference.attention_reference_vjp(x["q"], x["k"], x["v"], do, lengths,
+                                                      causal=causal)
+    want = dependents(packed_visibility(lengths, causal), HQ, HKV, *spot[:3])
+    check("out", out, ro, want["out"], TOL)
+    check("dq", dq, rdq, want["dq"], TOL)
+    check("dk", dk, rdk, want["dk"], TOL)
+    check("dv", dv, rdv, want["dv"], TOL)
