@@ -27,11 +27,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from liquidcp_jax import state
 from liquidcp_jax.megaring import MegaRingPlan, megaring_attention
+from liquidcp_jax.validation import check_positive_int
 
 
 def rope(x, positions, base: float = 10000.0):
@@ -59,9 +59,7 @@ def packed_attention(q, k, v, segment_ids, positions, *, causal: bool = True):
     return st.out.reshape(T, hq, d).astype(q.dtype)
 
 
-def _positive_int(val, name: str):
-    if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
-        raise ValueError(f"{name} must be a positive int; got {val!r}")
+_positive_int = check_positive_int
 
 
 def _check_cp_layout(T: int, plan, what: str = "x"):

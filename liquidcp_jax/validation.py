@@ -69,6 +69,33 @@ def check_scale(scale, head_dim: int, *, name: str = "scale") -> float:
     return s
 
 
+def check_positive_int(val, name: str) -> int:
+    """``val`` as a Python int >= 1 (booleans and floats refused)."""
+    if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)) or val < 1:
+        raise ValueError(f"{name} must be a positive int; got {val!r}")
+    return int(val)
+
+
+def resolve_head_axis(head_axis, mesh_shape, axis_name: str):
+    """``plan_megaring``'s ``head_axis``: ``"auto"`` -> the mesh's ``'tp'`` axis when it has one
+    (other than ``axis_name``), else ``None``; a name must be another axis of the mesh."""
+    if isinstance(head_axis, str) and head_axis == "auto":
+        return "tp" if "tp" in mesh_shape and axis_name != "tp" else None
+    if head_axis is not None and (not isinstance(head_axis, str) or head_axis not in mesh_shape
+                                  or head_axis == axis_name):
+        raise ValueError(f"head_axis={head_axis!r} must be None, \"auto\" or an axis of the mesh "
+                         f"other than axis_name={axis_name!r}; the mesh has {tuple(mesh_shape)}")
+    return head_axis
+
+
+def check_head_split(num_heads: int, axis: str, axis_size: int, name: str = "q"):
+    """``num_heads`` must split evenly over the mesh axis ``axis`` (heads over tensor parallelism)."""
+    if num_heads % axis_size:
+        raise ValueError(f"{name} has {num_heads} heads, not a multiple of the {axis!r} "
+                         f"axis size {axis_size} the plan splits heads over (query and KV heads both must "
+                         f"be; plan_megaring(..., head_axis=None) keeps heads whole)")
+
+
 def int_vector(x, name: str, *, lo: int, hi: int = INT32_MAX, size: int | None = None,
                allow_empty: bool = False) -> np.ndarray:
     """``x`` as an int64 vector of integers in ``[lo, hi]`` (``size`` entries when given).

@@ -144,3 +144,29 @@ def test_nn_module_arguments(mesh8):
     with pytest.raises(ValueError, match=r"x has 64 rows; expected 256 .* pass plan.shard\(x\)"):
         attn(x, plan=plan)
     assert attn(plan.shard(x), plan=plan).shape == (plan.cp_tokens, 32)
+
+
+def test_new_entry_points(mesh8):
+    """The entry points issue 23 added go through the same checks: dot_product_attention's
+    dtypes and scale, MegaDCP's num_kv_heads, plan_megaring's head_axis."""
+    x = jnp.zeros((16, 2, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"query must have a floating dtype .* got int32"):
+        lcp.dot_product_attention(x, x, x)
+    q = jnp.ones((16, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"value must have a floating dtype"):
+        lcp.dot_product_attention(q, q, x)
+    with pytest.raises(ValueError, match=r"scale must be a Python float .* traced"):
+        jax.jit(lambda s: lcp.dot_product_attention(q, q, q, scale=s))(0.3)
+    for bad in (0.0, float("inf"), True):
+        with pytest.raises(ValueError, match="scale must be a positive finite float"):
+            lcp.dot_product_attention(q, q, q, scale=bad)
+    got = lcp.dot_product_attention(q, q, q, scale=np.float32(0.3))
+    np.testing.assert_allclose(got, jax.nn.dot_product_attention(q, q, q, scale=0.3), rtol=1e-6)
+    m2 = jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2])
+    for bad in (True, 0, 1.0):
+        with pytest.raises(ValueError, match=rf"num_kv_heads must be a positive int; got {bad!r}"):
+            lcp.plan_megadcp([10, 5], [4, 4], m2, num_q_heads=4, num_kv_heads=bad)
+    for bad in (["tp"], "dp", "cp"):
+        with pytest.raises(ValueError, match=r"head_axis=.* must be None, \"auto\" or an axis"):
+            lcp.plan_megaring([40, 24], mesh8, head_axis=bad)
+    assert lcp.plan_megaring([40, 24], mesh8, head_axis="auto").static.head_axis is None

@@ -30,7 +30,7 @@ from liquidcp_jax.megadcp import critical_wave as cw
 from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape, build_exec_tables, shard_src
 from liquidcp_jax.megadcp.tables import DcpTables, bucket, build_descriptor_tables
 from liquidcp_jax.util import constrain as _constrain
-from liquidcp_jax.validation import check_keys
+from liquidcp_jax.validation import check_keys, check_positive_int
 
 DEFAULT_MEMORY_BUDGET = 256 << 20   # bytes of attention temporaries per block of pairs
 _TABLE_KEYS = ("requests", "chunk", "history", "reductions", "reduction_inputs", "finals", "blocks")
@@ -167,9 +167,7 @@ def validate_batch(history_lengths, query_lengths, mesh: Mesh, axis_name: str, n
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; expected one of "
                          f"{tuple(mesh.shape)}")
     Pn = int(mesh.shape[axis_name])
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer)) \
-            or num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be a positive int; got {num_kv_heads!r}")
+    check_positive_int(num_kv_heads, "num_kv_heads")
     if isinstance(num_q_heads, bool) or int(num_q_heads) != num_q_heads or num_q_heads < 1 \
             or num_q_heads % (Pn * num_kv_heads):
         per = "" if num_kv_heads == 1 else f" x num_kv_heads={num_kv_heads}"

@@ -29,7 +29,8 @@ from liquidcp_jax.megaring.local_segments import LocalSegments, build_local_segm
 from liquidcp_jax.megaring.ring_segments import RingSegments, build_ring_segments
 from liquidcp_jax.megaring.tables import MegaRingTables, SequenceInfo, build_megaring_tables
 from liquidcp_jax.util import constrain as _constrain, pow2_bucket
-from liquidcp_jax.validation import check_layout, note_layout, validate_lengths
+from liquidcp_jax.validation import (check_head_split, check_layout, note_layout, resolve_head_axis,
+                                     validate_lengths)
 
 MAX_TOKENS = 2 ** 30
 
@@ -212,13 +213,8 @@ class MegaRingPlan:
 
 def check_heads(num_heads: int, static: PlanStatic, name: str = "q") -> None:
     """ValueError unless ``num_heads`` splits evenly over the plan's head axis."""
-    if static.head_axis is None:
-        return
-    tp = int(static.mesh.shape[static.head_axis])
-    if num_heads % tp:
-        raise ValueError(f"{name} has {num_heads} heads, not a multiple of the {static.head_axis!r} "
-                         f"axis size {tp} the plan splits heads over (query and KV heads both must "
-                         f"be; plan_megaring(..., head_axis=None) keeps heads whole)")
+    if static.head_axis is not None:
+        check_head_split(num_heads, static.head_axis, int(static.mesh.shape[static.head_axis]), name)
 
 
 def _resolve_placement(placement, lengths, num_devices, max_group_size) -> placement_lib.Placement:
@@ -272,11 +268,7 @@ def plan_megaring(lengths, mesh: Mesh, axis_name: str = "cp", placement: Any = "
     if axis_name not in mesh.shape:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh; expected one of "
                          f"{tuple(mesh.shape)}")
-    if head_axis == "auto":
-        head_axis = "tp" if "tp" in mesh.shape and axis_name != "tp" else None
-    if head_axis is not None and (head_axis not in mesh.shape or head_axis == axis_name):
-        raise ValueError(f"head_axis={head_axis!r} must be None, \"auto\" or an axis of the mesh "
-                         f"other than axis_name={axis_name!r}; the mesh has {tuple(mesh.shape)}")
+    head_axis = resolve_head_axis(head_axis, mesh.shape, axis_name)
     lengths = validate_lengths(lengths)
     if sum(lengths) > MAX_TOKENS:
         raise ValueError(f"lengths sum to {sum(lengths)} tokens; expected at most {MAX_TOKENS} (2**30: "
