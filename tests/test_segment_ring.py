@@ -250,8 +250,10 @@ def test_segment_ring_bad_input(mesh8, rng):
     with pytest.raises(ValueError, match="q has 8 tokens"):
         z8 = jnp.zeros((8, 2, 16))
         megaring.segment_ring_attention(z8, z8[:, :1], z8[:, :1], plan, scale=0.1, compute="xla")
-    with pytest.raises(ValueError, match="scale must be a Python float"):
-        megaring.segment_ring_attention(*args, scale=jnp.float32(0.1), compute="xla")
+    with pytest.raises(ValueError, match="scale must be a Python float .* traced"):
+        jax.jit(lambda s: megaring.segment_ring_attention(*args, scale=s, compute="xla"))(0.1)
+    with pytest.raises(ValueError, match="scale must be a positive finite float"):
+        megaring.segment_ring_attention(*args, scale=-0.1, compute="xla")
     with pytest.raises(ValueError, match="compute must be one of"):
         megaring.segment_ring_attention(*args, scale=0.1, compute="cuda")
     with pytest.raises(ValueError, match="1-device mesh"):
