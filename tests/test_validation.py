@@ -139,9 +139,11 @@ def test_nn_module_arguments(mesh8):
     with pytest.raises(ValueError, match=r"num_kv_heads must be a positive int; got -2"):
         lcp.nn.ContextParallelAttention(32, 4, -2, rngs=rngs)
     attn = lcp.nn.ContextParallelAttention(32, 4, 2, rngs=rngs)
-    plan = lcp.plan_megaring([40, 24], mesh8, placement="all_cp", tile_size=8)
-    x = jnp.ones((64, 32))
-    with pytest.raises(ValueError, match=r"x has 64 rows; expected 256 .* pass plan.shard\(x\)"):
+    plan = lcp.plan_megaring([40, 25], mesh8, placement="all_cp", tile_size=8)
+    x = jnp.ones((65, 32))   # 65 packed tokens: the CP layout has whole tiles on every device
+    assert plan.cp_tokens != 65
+    with pytest.raises(ValueError, match=rf"x has 65 rows; expected {plan.cp_tokens} .* pass "
+                                         r"plan.shard\(x\)"):
         attn(x, plan=plan)
     assert attn(plan.shard(x), plan=plan).shape == (plan.cp_tokens, 32)
 
