@@ -208,3 +208,33 @@ def test_dot_product_attention_xla(case, packing, causal):
     check("dq", dq, rdq, want["dq"], TOL)
     check("dk", dk, rdk, want["dk"], TOL)
     check("dv", dv, rdv, want["dv"], TOL)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the MegaDCP GPU engine does not contain bad data yet (docs/kernels.md, "
+                          "'Bad data'): P @ V reads other requests' V rows in shared tiles")
+@pytest.mark.parametrize("spot", [("v_hist", 299, np.nan), ("v_new", 17, np.nan)])
+def test_megadcp_engine_interpret(spot):
+    """The engine's one-launch path (P = 1) in the Mosaic GPU interpreter: a bad value in one
+    request's V must reach only that request's rows. It does not yet (strict xfail: fixing the
+    engine turns this into a failure to remove the mark)."""
+    from liquidcp_jax.executors import xla_dcp
+    from liquidcp_jax.megadcp import ops as md
+    from liquidcp_jax.pallas import megadcp_engine as eng
+    hist, ql = [300, 0, 77], [16, 3, 20]
+    mesh = jax.make_mesh((1,), ("dcp",), devices=jax.devices()[:1])
+    plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=8, engine=True,
+                            engine_config=eng.EngineConfig(num_ctas=1))
+    rng = np.random.default_rng(0)
+    Tq, Th = sum(ql), sum(hist)
+    shapes = {"q": (Tq, 8, 64), "k_new": (Tq, 1, 64), "v_new": (Tq, 1, 64), "k_hist": (Th, 1, 64),
+              "v_hist": (Th, 1, 64)}
+    x = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    name, row, val = spot
+    x[name][row, 0, 5] = val
+    args = [jnp.asarray(x[n], jnp.bfloat16) for n in shapes]
+    out = md.run_dcp(xla_dcp.megadcp_combine, *args, plan, engine_interpret=True)
+    key_row = row if name.endswith("hist") else Th + row
+    want = dependents(decode_visibility(hist, ql), 8, 1, "v", key_row, 0)["out"]
+    got = ~np.isfinite(np.asarray(out, np.float32)).all(-1)
+    assert np.array_equal(got, want), f"{int((got & ~want).sum())} rows reached outside the request"
