@@ -194,22 +194,7 @@ def beam_step(pb: Problem, beam: BeamState, i: int, gids: np.ndarray) -> BeamSta
     cols = [ov_t, ov_w, sp_t, sp_w, prank, comm[surv], distinct[surv]]
     if pb.config.rank_shards:
         cols.append(shards[surv])
-    F = np.round(np.column_stack(cols).astype(np.float64), KEY_DECIMALS)
-    nd = np.nonzero(nondominated(F))[0]
-    if len(nd) > width:
-        Fn = F[nd]
-        elite = []
-        best_of = [Fn[:, 4], Fn[:, 5], Fn[:, 6], Fn[:, 2], Fn[:, 3], np.maximum(Fn[:, 0], Fn[:, 1])]
-        for col in best_of + ([Fn[:, 7]] if pb.config.rank_shards else []):
-            k = int(np.argmin(col))
-            if k not in elite:
-                elite.append(k)
-        rest = np.setdiff1d(np.arange(len(nd)), elite)
-        crowd = crowding_distance(Fn)
-        rest = rest[np.argsort(-crowd[rest], kind="stable")]
-        pick = np.sort(np.concatenate([np.asarray(elite, dtype=np.int64),
-                                       rest[:max(0, width - len(elite))]]))
-        nd = nd[pick]
+    nd = _pareto_front(cols, width)
     chosen = surv[nd]
     b, g = src[chosen], gsel[chosen]
     used = beam.used[b].copy()
@@ -366,22 +351,7 @@ def _beam_step_large(pb: Problem, beam: BeamState, i: int, gids: np.ndarray) -> 
     cols = [ov_t[surv], ov_w[surv], sp_t[surv], sp_w[surv], prank, comm[surv], distinct[surv]]
     if pb.config.rank_shards:
         cols.append(shards[surv])
-    F = np.round(np.column_stack(cols).astype(np.float64), KEY_DECIMALS)
-    nd = np.nonzero(nondominated(F))[0]
-    if len(nd) > width:
-        Fn = F[nd]
-        elite = []
-        best_of = [Fn[:, 4], Fn[:, 5], Fn[:, 6], Fn[:, 2], Fn[:, 3], np.maximum(Fn[:, 0], Fn[:, 1])]
-        for col in best_of + ([Fn[:, 7]] if pb.config.rank_shards else []):
-            k = int(np.argmin(col))
-            if k not in elite:
-                elite.append(k)
-        rest = np.setdiff1d(np.arange(len(nd)), elite)
-        crowd = crowding_distance(Fn)
-        rest = rest[np.argsort(-crowd[rest], kind="stable")]
-        pick = np.sort(np.concatenate([np.asarray(elite, dtype=np.int64),
-                                       rest[:max(0, width - len(elite))]]))
-        nd = nd[pick]
+    nd = _pareto_front(cols, width)
     chosen = surv[nd]
     b, g = src[chosen], gsel[chosen]
     gt, gw = pb.rows(np.full(len(chosen), i), g)
@@ -390,3 +360,26 @@ def _beam_step_large(pb: Problem, beam: BeamState, i: int, gids: np.ndarray) -> 
     assign = beam.assign[b].copy()
     assign[:, i] = g
     return BeamState(beam.T[b] + gt, beam.W[b] + gw, prof[chosen], comm[chosen], used, assign)
+
+
+def _pareto_front(cols, width: int) -> np.ndarray:
+    """Indices of the rows kept from objective columns ``cols`` (overshoot T / W, spread T / W,
+    profile rank, communication, distinct groups[, shards]): the non-dominated rows; past
+    ``width`` the best row of each objective, then the least crowded."""
+    F = np.round(np.column_stack(cols).astype(np.float64), KEY_DECIMALS)
+    nd = np.nonzero(nondominated(F))[0]
+    if len(nd) <= width:
+        return nd
+    Fn = F[nd]
+    elite = []
+    best_of = [Fn[:, 4], Fn[:, 5], Fn[:, 6], Fn[:, 2], Fn[:, 3], np.maximum(Fn[:, 0], Fn[:, 1])]
+    for col in best_of + [Fn[:, k] for k in range(7, Fn.shape[1])]:
+        k = int(np.argmin(col))
+        if k not in elite:
+            elite.append(k)
+    rest = np.setdiff1d(np.arange(len(nd)), elite)
+    crowd = crowding_distance(Fn)
+    rest = rest[np.argsort(-crowd[rest], kind="stable")]
+    pick = np.sort(np.concatenate([np.asarray(elite, dtype=np.int64),
+                                   rest[:max(0, width - len(elite))]]))
+    return nd[pick]
