@@ -8,6 +8,7 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
 * ``engine_cw4``  the fused engine with critical-wave splits under a smaller per-task overhead
                   (``delta_attn = 4``; a guess, not a calibration);
 * ``engine_fa3``  the fused engine with FA3-derived splits (Fig. 12 analogue: plan vs plan);
+* ``engine_cw_unchecked``  ``engine_cw`` with ``contain_bad_data=False`` (the containment's cost);
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;
@@ -138,8 +139,9 @@ def plan_variants(hist, ql, P, hq, G):
 INTERPRET = False
 
 
-def engine_fn(shape, fused, scale):
-    cfg = eng.EngineConfig(num_ctas=shape.num_ctas, fused=fused and not INTERPRET)
+def engine_fn(shape, fused, scale, contain=True):
+    cfg = eng.EngineConfig(num_ctas=shape.num_ctas, fused=fused and not INTERPRET,
+                           contain_bad_data=contain)
 
     @jax.jit
     def f(qc, qa, kn, vn, kh, vh, tables):
@@ -198,6 +200,7 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         assert all(p.shape == shape for p in plans.values())
         for fused in (True, False):
             fns.setdefault(fused, engine_fn(shape, fused, scale))
+        fns.setdefault("raw", engine_fn(shape, True, scale, contain=False))
         local = local_history_lengths(hist, P)[0]
         shard_mb = 2 * hr * D * 2 / 2 ** 20
         n_sets = int(min(4, max(1, math.ceil(256 / max(shard_mb, 1)))))
@@ -212,6 +215,8 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         for pk in ("cw", "cw4", "fa3"):
             tb = dev_tables[pk]
             methods[f"engine_{pk}"] = (fns[True], [s + (tb,) for s in sets])
+        # the cost of containing bad data (V cleaned around the launch, rows marked)
+        methods["engine_cw_unchecked"] = (fns["raw"], [s + (dev_tables["cw"],) for s in sets])
         for pk in ("fa3", "cw"):
             tb = dev_tables[pk]
             methods[f"staged_{pk}"] = (fns[False], [s + (tb,) for s in sets])
@@ -286,8 +291,8 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
     return rows
 
 
-TABLE_METHODS = ("engine_cw", "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
-                 "cudnn", "xla")
+TABLE_METHODS = ("engine_cw", "engine_cw_unchecked", "engine_cw4", "engine_fa3", "staged_fa3",
+                 "staged_cw", "triton_gqa", "cudnn", "xla")
 
 
 def main(argv=None) -> int:

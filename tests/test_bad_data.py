@@ -210,14 +210,13 @@ def test_dot_product_attention_xla(case, packing, causal):
     check("dv", dv, rdv, want["dv"], TOL)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the MegaDCP GPU engine does not contain bad data yet (docs/kernels.md, "
-                          "'Bad data'): P @ V reads other requests' V rows in shared tiles")
-@pytest.mark.parametrize("spot", [("v_hist", 299, np.nan), ("v_new", 17, np.nan)])
+@pytest.mark.parametrize("spot", [("v_hist", 299, np.nan), ("v_new", 17, np.nan),
+                                  ("v_new", 16, np.inf), ("k_hist", 5, np.nan),
+                                  ("q", 30, -np.inf)])
 def test_megadcp_engine_interpret(spot):
     """The engine's one-launch path (P = 1) in the Mosaic GPU interpreter: a bad value in one
-    request's V must reach only that request's rows. It does not yet (strict xfail: fixing the
-    engine turns this into a failure to remove the mark)."""
+    request's Q, K or V reaches exactly the rows that depend on it (V enters the kernel cleaned
+    and the rows that see a bad V row are marked; masked Q K^T scores are selected away)."""
     from liquidcp_jax.executors import xla_dcp
     from liquidcp_jax.megadcp import ops as md
     from liquidcp_jax.pallas import megadcp_engine as eng
@@ -234,7 +233,53 @@ def test_megadcp_engine_interpret(spot):
     x[name][row, 0, 5] = val
     args = [jnp.asarray(x[n], jnp.bfloat16) for n in shapes]
     out = md.run_dcp(xla_dcp.megadcp_combine, *args, plan, engine_interpret=True)
-    key_row = row if name.endswith("hist") else Th + row
-    want = dependents(decode_visibility(hist, ql), 8, 1, "v", key_row, 0)["out"]
+    key_row = row if name == "q" or name.endswith("hist") else Th + row
+    want = dependents(decode_visibility(hist, ql), 8, 1, name[0], key_row, 0)["out"]
     got = ~np.isfinite(np.asarray(out, np.float32)).all(-1)
-    assert np.array_equal(got, want), f"{int((got & ~want).sum())} rows reached outside the request"
+    assert np.array_equal(got, want), (f"{int((got & ~want).sum())} rows reached outside the "
+                                       f"request, {int((want & ~got).sum())} dependent rows missed")
+
+
+@pytest.mark.parametrize("rank,spot", [(0, ("v_hist", 299)), (1, ("v_hist", 299)),
+                                       (1, ("v_hist", 301)), (0, ("v_new", 17)),
+                                       (1, ("v_new", 20))])
+def test_megadcp_engine_rank_states_interpret(rank, spot):
+    """One rank of P = 2 (the engine's rank states, before the exchange; the interpreter cannot
+    run two ranks' kernels under one shard_map): a NaN history V row reaches exactly the history
+    state rows of its request on the rank holding it, a NaN new V row exactly the chunk state
+    rows of its request at or after its position."""
+    from liquidcp_jax.megadcp.tables import build_descriptor_tables
+    from liquidcp_jax.pallas import megadcp_engine as eng
+    from liquidcp_jax.pallas import megadcp_engine_tables as et
+    hist, ql, P, hq, d = [300, 0, 77], [16, 3, 20], 2, 4, 64
+    t = build_descriptor_tables(hist, ql, P, hq)
+    plan = et.pack_engine(t, rank, num_ctas=2)
+    s = plan.shape
+    rng = np.random.default_rng(1)
+    mk = lambda *sh: rng.standard_normal(sh).astype(np.float32)  # noqa: E731
+    q_all, kn, vn, kh, vh = mk(s.tq_cap, P * hq, d), mk(s.tq_cap, d), mk(s.tq_cap, d), \
+        mk(sum(hist), d), mk(sum(hist), d)
+    name, row = spot
+    (vh if name == "v_hist" else vn)[row, 5] = np.nan
+    src = et.shard_rows(hist, P, rank, s.hist_rows)
+    ks, vs = (np.where(src[:, None] >= 0, x[np.maximum(src, 0)], 0.0) for x in (kh, vh))
+    b = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    chunk, hs = eng.megadcp_engine(b(q_all[:, rank * hq:(rank + 1) * hq]), b(q_all), b(kn), b(vn),
+                                   b(ks), b(vs), plan.tables, s, scale=d ** -0.5,
+                                   config=eng.EngineConfig(num_ctas=2, fused=False),
+                                   interpret=True)
+    nq = sum(ql)
+    req = np.repeat(np.arange(len(ql)), ql)
+    pos = np.concatenate([np.arange(n) for n in ql])
+    if name == "v_hist":
+        owner = np.repeat(np.arange(len(hist)), hist)[row]
+        held = row in set(src[src >= 0].tolist())
+        want_h, want_c = (req == owner) & held, np.zeros(nq, bool)
+    else:
+        want_h, want_c = np.zeros(nq, bool), (req == req[row]) & (pos >= pos[row])
+    for what, st_, want, heads in (("chunk", chunk, want_c, hq), ("hist", hs, want_h, P * hq)):
+        want2 = np.repeat(want[:, None], heads, 1)
+        got = ~np.isfinite(np.asarray(st_.out, np.float32)[:nq]).all(-1)
+        assert np.array_equal(got, want2), (what, np.flatnonzero(got.any(1)))
+        lse = np.asarray(st_.lse, np.float32)[:nq]
+        assert np.array_equal(np.isnan(lse), want2), what   # -inf (no keys) is not bad

@@ -133,6 +133,8 @@ def test_config_and_input_validation():
         eng.EngineConfig(num_ctas=0)
     with pytest.raises(ValueError, match="fused"):
         eng.EngineConfig(fused=1)
+    with pytest.raises(ValueError, match="contain_bad_data must be a bool"):
+        eng.EngineConfig(contain_bad_data="yes")
     cfg = eng.EngineConfig(num_ctas=4)
     with pytest.raises(ValueError, match="dtype"):
         eng.check_inputs(jnp.float32, 128, cfg, True)

@@ -81,13 +81,17 @@ class EngineConfig:
     on-device profiler, and a Chrome trace is written into this directory after each launch
     (:mod:`megadcp_engine_profile` turns it into per-CTA busy times). The compute warpgroups'
     ping-pong runs on hardware named barriers on the GPU (the tile-attention forward's
-    schedule; the interpreter uses an mbarrier).
+    schedule; the interpreter uses an mbarrier). ``contain_bad_data``: non-finite ``V`` rows
+    reach only the rows that see them (``V`` is cleaned around the launch and those rows
+    marked: one more read and write of the history ``V`` per step; False skips it, for inputs
+    known to be finite).
     """
     block_kv: int = 128
     max_concurrent_steps: int = 2
     num_ctas: int | None = None
     fused: bool = True
     profile_dir: str | None = None
+    contain_bad_data: bool = True
 
     def __post_init__(self):
         if self.block_kv not in (64, 128):
@@ -101,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"num_ctas must be None or an int >= 1, got {self.num_ctas!r}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused must be a bool, got {self.fused!r}")
+        if not isinstance(self.contain_bad_data, bool):
+            raise ValueError(f"contain_bad_data must be a bool, got {self.contain_bad_data!r}")
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
                                              or not self.profile_dir):
             raise ValueError(f"profile_dir must be None or a directory path, got "
@@ -501,14 +507,103 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
     k_new, v_new = _pad_rows(k_new, shape.new_rows), _pad_rows(v_new, shape.new_rows)
     run = _build(shape, config, d, jnp.dtype(q_chunk.dtype).name, float(scale), bool(interpret))
     tb = [jnp.asarray(x) for x in tables[:4]]
+    # Bad data: a task's P @ V multiplies masked keys' V rows (another request's, or the same
+    # request's future tokens) by 0, so V enters cleaned and the rows that see a bad V are
+    # marked after (bad Q / K already stay in their rows: masked scores are selected away).
+    contain = config.contain_bad_data
+    if contain:
+        v_new, bad_new = _clean_rows(v_new)
+        v_hist, bad_hist = _clean_rows(v_hist)
     res, partials = run(*tb, qc, qh, k_new, v_new, k_hist, v_hist)
+    bad = _bad_rows(tables, bad_new, bad_hist, shape) if contain else None
     if shape.final:
-        out = res[0].reshape(T, hqp, d)[:, :hq]
+        out = res[0] if bad is None else _mark(res[0], bad)
+        out = out.reshape(T, hqp, d)[:, :hq]
     else:
         out = gather_states(*partials, *res, tables, shape)
+        if bad is not None:
+            out = (_mark_state(out[0], bad[0]), _mark_state(out[1], bad[1]))
     if return_partials:
         return out, partials
     return out
+
+
+def _clean_rows(v):
+    """``(v with non-finite rows' entries zeroed, bad [rows])``."""
+    ok = jnp.isfinite(v)
+    return jnp.where(ok, v, jnp.zeros((), v.dtype)), ~jnp.all(ok, axis=-1)
+
+
+def _bad_rows(tables: et.EngineTables, bad_new, bad_hist, shape: et.EngineShape):
+    """Which results see a bad V row, from the tables alone (prefix counts and scatters, no loop).
+
+    A task's tile row ``i`` sees keys ``[kv_lo, kv_hi)`` of ``kv_base`` (chunk rows causally, up
+    to ``diag + i // hq_pad``); a reduction's row sees what its inputs' row sees. Results follow
+    the kernel's own routing: ``final``: ``[Tq_cap * hq_pad]`` output rows; else ``(chunk
+    [Tq_cap, hq], history [Tq_cap, H])`` through the granule maps, as :func:`gather_states`.
+    ``bad_new`` / ``bad_hist``: ``[new_rows]`` / ``[hist_rows]`` bool."""
+    fa, fr = et.FA, et.FR
+    attn, red, red_in = (jnp.asarray(x) for x in tables[:3])
+    col = lambda name: attn[:, fa[name]][:, None]  # noqa: E731
+    i = jnp.arange(_ROWS)[None, :]
+    chunk = col("kind") == 0
+    lo = col("kv_base") + col("kv_lo")
+    hi = col("kv_base") + jnp.where(chunk, jnp.minimum(col("kv_hi"), col("diag") + i // shape.hq_pad + 1),
+                                    col("kv_hi"))
+
+    def seen(flags):
+        cnt = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(flags, dtype=jnp.int32)])
+        n = flags.shape[0]
+        return (hi > lo) & (cnt[jnp.clip(hi, 0, n)] - cnt[jnp.clip(lo, 0, n)] > 0)
+
+    task = (col("n_tiles") > 0) & jnp.where(chunk, seen(bad_new), seen(bad_hist))
+    by_slot = jnp.zeros((shape.attn_cap, _ROWS), bool).at[attn[:, fa["slot"]]].max(task)
+    # Reduction items: the inputs' rows, OR-ed (entry e of red_in belongs to the item whose
+    # [in_start, in_start + n_in) holds it).
+    n_in, start = red[:, fr["n_in"]], red[:, fr["in_start"]]
+    U, I = red.shape[0], red_in.shape[0]
+    e = jnp.arange(I)
+    first = jnp.full((I + 1,), -1, jnp.int32).at[jnp.where(n_in > 0, start, I)].max(
+        jnp.arange(U, dtype=jnp.int32), mode="drop")[:I]
+    last = lax.cummax(jnp.where(first >= 0, e, -1))
+    u = jnp.where(last >= 0, first[jnp.maximum(last, 0)], -1)
+    uc = jnp.maximum(u, 0)
+    inside = (u >= 0) & (e < start[uc] + n_in[uc])
+    by_item = jnp.zeros((U, _ROWS), bool).at[jnp.where(inside, u, U)].max(
+        by_slot[red_in] & inside[:, None], mode="drop")
+    if shape.final:
+        dst = red[:, fr["dst_row"]][:, None] + i
+        ok = (i < red[:, fr["n_rows"]][:, None]) & (n_in[:, None] > 0)
+        rows = shape.tq_cap * shape.hq_pad
+        return jnp.zeros((rows,), bool).at[jnp.where(ok, dst, rows)].max(by_item, mode="drop")
+    by_red = jnp.zeros((U, _ROWS), bool).at[jnp.where(n_in > 0, red[:, fr["dst_row"]], U)].max(
+        by_item, mode="drop")
+    flat = jnp.concatenate([by_slot.reshape(-1), by_red.reshape(-1)])
+    T = shape.tq_cap
+
+    def take(src, h, hp):
+        r = _state_rows(src, h, hp, T)
+        return jnp.where(r >= 0, flat[jnp.maximum(r, 0)], False).reshape(T, h)
+
+    return (take(tables.chunk_src, shape.hq, shape.hq_pad),
+            take(tables.hist_src, shape.heads, shape.heads_pad))
+
+
+def _state_rows(src, h, hp, T):
+    """``[T * h]``: the partial-state row (attention slots, then reduction slots; -1: none) of
+    each (token, head) vector, through the 8-row granule map ``src``."""
+    g = et.ROW_ALIGN
+    r = (jnp.arange(T)[:, None] * hp + jnp.arange(h)[None, :]).reshape(-1)
+    gs = jnp.asarray(src)[r // g]
+    return jnp.where(gs >= 0, gs * g + r % g, -1)
+
+
+def _mark(x, bad):
+    return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), jnp.nan, x).astype(x.dtype)
+
+
+def _mark_state(s: st.PartialState, bad):
+    return st.PartialState(_mark(s.out, bad), jnp.where(bad, jnp.nan, s.lse))
 
 
 def gather_states(po, pl_, ro, rl, tables: et.EngineTables, shape: et.EngineShape):
@@ -520,15 +615,9 @@ def gather_states(po, pl_, ro, rl, tables: et.EngineTables, shape: et.EngineShap
     a_rows = shape.attn_cap * _ROWS
     po, pl_ = po.reshape(-1, d), pl_.reshape(-1)
     ro, rl = ro.reshape(-1, d), rl.reshape(-1)
-    g = et.ROW_ALIGN
-
-    def rows(src, h, hp):   # [T * h] partial-state row of each vector (-1: none)
-        r = (jnp.arange(T)[:, None] * hp + jnp.arange(h)[None, :]).reshape(-1)
-        gs = jnp.asarray(src)[r // g]
-        return jnp.where(gs >= 0, gs * g + r % g, -1)
 
     def take(src, h, hp):
-        r = rows(src, h, hp)
+        r = _state_rows(src, h, hp, T)
         ok, red = r >= 0, r >= a_rows
         rp = jnp.clip(r, 0, a_rows - 1)
         rr = jnp.clip(r - a_rows, 0, max(ro.shape[0] - 1, 0))
