@@ -8,25 +8,27 @@ import jax.numpy as jnp
 
 from liquidcp_jax import placement as placement_lib
 from liquidcp_jax.megaring import engine_protocol as ep
-from liquidcp_jax.megaring.layout import build_layout
 from liquidcp_jax.pallas import api
 from liquidcp_jax.pallas import megaring_engine as me
-from liquidcp_jax.pallas import megaring_transport as mt
 from liquidcp_jax.workloads.samplers import sample_batch
+
+from test_megaring_engine import _plan
 
 _OK, _WHY = api.is_supported(jnp.bfloat16, 128)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_WHY)]
 
 
+def _tables_64k(dataset, devices, seed, B):
+    """Engine tables and ring geometry of a 64K BuddyRing plan of ``dataset`` (tiles of ``B``)."""
+    lengths = sample_batch(dataset, 65536, seed)
+    pl_ = placement_lib.buddyring(lengths.tolist(), devices)
+    return _plan(lengths, pl_.starts, pl_.sizes, devices, B, 2)[1:]
+
+
 @pytest.mark.parametrize("dataset,devices", [("freelaw", 8), ("pilecc", 4)])
 def test_transfer_launch_64k(rng, dataset, devices):
-    lengths = sample_batch(dataset, 65536, 0)
-    pl_ = placement_lib.buddyring(lengths.tolist(), devices)
     B = 128
-    lay = build_layout(lengths, pl_.starts, pl_.sizes, devices, B)
-    send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, lay.steps))
-    tb = ep.build_engine_tables(lay, send, causal=True, comm_per_rank=2)
-    g = mt.RingGeometry(devices, lay.capacity // B, B, send)
+    tb, g = _tables_64k(dataset, devices, 0, B)
     kv = jnp.asarray(rng.standard_normal((devices * g.rows, 128)), jnp.bfloat16)
     out = np.asarray(jax.block_until_ready(me.transfer_launch(kv, tb, g)).astype(jnp.float32))
     rows, _, _ = me.transfer_lists(tb, g)
@@ -50,13 +52,8 @@ def test_sync_atomics_on_gpu():
 def test_fused_transfer_commit_order(rng, dataset, devices):
     """The fused launch moves the same tiles as the staged one, and every stream's map holds its
     class 0 tiles in its first F slots and its class 1 tiles after them, each once."""
-    lengths = sample_batch(dataset, 65536, 1)
-    pl_ = placement_lib.buddyring(lengths.tolist(), devices)
     B = 128
-    lay = build_layout(lengths, pl_.starts, pl_.sizes, devices, B)
-    send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, lay.steps))
-    tb = ep.build_engine_tables(lay, send, causal=True, comm_per_rank=2)
-    g = mt.RingGeometry(devices, lay.capacity // B, B, send)
+    tb, g = _tables_64k(dataset, devices, 1, B)
     kv = jnp.asarray(rng.standard_normal((devices * g.rows, 128)), jnp.bfloat16)
     recv, smap = jax.block_until_ready(me.transfer_launch(kv, tb, g, fused=True))
     staged = me.transfer_launch(kv, tb, g)
@@ -86,11 +83,7 @@ FWD_PLANS = [
 
 
 def _fwd_plan(i, comm=2):
-    lengths, starts, sizes, N, B = FWD_PLANS[i]
-    lay = build_layout(lengths, starts, sizes, N, B)
-    send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, lay.steps))
-    tb = ep.build_engine_tables(lay, send, causal=True, comm_per_rank=comm)
-    return tb, mt.RingGeometry(N, lay.capacity // B, B, send)
+    return _plan(*FWD_PLANS[i], comm)[1:]
 
 
 def _ref(tb, q, k, v, scale):
