@@ -18,6 +18,7 @@ for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
            step engine "${BENCH_S:-220}" "$PY" -m benchmarks.megadcp_engine ${BENCH_ARGS:---quick --budget-s 150} --out "$OUT/engine.json"
          else echo "benchmarks/megadcp_engine.py is not in this tree"; fi ;;
   calibrate) step calibrate "${CAL_S:-150}" "$PY" -m benchmarks.megadcp_engine --calibrate \
-               --out "$OUT/calibration.json" ;;
+               --out "$OUT/calibration.json"
+             rm -rf "$OUT/megadcp_engine_profile" ;;  # raw traces; calibration.json holds what they gave
   *) echo "unknown part '$p' (tests bench calibrate)" >&2; exit 2 ;;
 esac; done; done

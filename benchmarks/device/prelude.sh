@@ -14,9 +14,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+# The compiled planner (liquidcp_jax.megadcp._cw_native) for this machine's python; without a C
+# compiler the planner falls back to its pure-Python reference (slower host planning, same plans).
+"$PY" setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 || { echo "build_ext failed:"; tail -5 /tmp/build_ext.log; }
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,driver_version --format=csv,noheader
   date -u
-  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1; } | tee "$OUT/gpu.txt"
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+  "$PY" -c "from liquidcp_jax.megadcp import critical_wave as c; print('native planner', c.native_available())" 2>&1 | tail -1; } | tee "$OUT/gpu.txt"
 NOISE='Warning: \|warnings.warn\|warner(\|absl\|bfc_allocator\|hlo_remat\|fragmentation\|allocation summary'
 
 step() {
