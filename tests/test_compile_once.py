@@ -120,3 +120,29 @@ def test_megadcp_capacity_for_rejects_bad_limits():
     caps = dcp_capacity.capacity_for(2, 32, 100, mesh, num_q_heads=2, tile=16)
     plan = lcp.plan_megadcp([400, 5], [16, 16], mesh, num_q_heads=2, tile=16, capacities=caps)
     assert "history" in dcp_capacity.fits_capacity(plan, caps)
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_megadcp_capacity_for_covers_the_engine_tables(P):
+    # Planning only: random steps within the limits keep the engine's tables (and every other
+    # table) at the pinned capacities, so the engine's launch keeps one static shape.
+    mesh = jax.make_mesh((P,), ("dcp",), devices=jax.devices()[:P])
+    R, Qmax, Hmax = 6, 16, 3000
+    caps = dcp_capacity.capacity_for(R, R * Qmax, Hmax, mesh, num_q_heads=8,
+                                     max_query_per_request=Qmax, engine=True)
+    assert {"engine_attn", "engine_red", "engine_red_inputs"} <= set(caps)
+    rng = np.random.default_rng(P)
+    shapes = set()
+    for _ in range(25):
+        n = int(rng.integers(1, R + 1))
+        hist = rng.integers(0, Hmax + 1, n)
+        hist[rng.integers(n)] = Hmax                       # the longest history allowed
+        ql = rng.integers(1, Qmax + 1, n)
+        plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=8, engine=True, capacities=caps)
+        assert dcp_capacity.fits_capacity(plan, caps) is None
+        shapes.add((plan.static, plan.engine.shape))
+    assert len(shapes) == 1
+    # Past the limits the engine's tables grow and fits_capacity names one.
+    big = lcp.plan_megadcp([Hmax] * (4 * R), [Qmax] * (4 * R), mesh, num_q_heads=8, engine=True,
+                           capacities=caps)
+    assert dcp_capacity.fits_capacity(big, caps) is not None

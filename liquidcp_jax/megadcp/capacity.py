@@ -22,8 +22,13 @@ history and ``max_query_per_request`` query tokens, split as far as possible (ev
 its own split), therefore bounds each of them. Three counts depend on the plan's copy-run choice
 and are bounded directly: reductions (at most one per output vector, ``max_query_tokens * H``),
 vectors per reduction (a query tile's ``q_tile_tokens * H``) and inputs per reduction (the most
-splits). ``query_tokens`` is ``max_query_tokens`` (bucketed). The GPU engine's own tables
-(``engine=True``) are not covered: pin those from ``plan.capacity`` of engine plans.
+splits). ``query_tokens`` is ``max_query_tokens`` (bucketed).
+
+The GPU engine's own tables (``engine=True``: ``engine_attn``, ``engine_red``,
+``engine_red_inputs``) follow the same argument: its attention tasks are the planner's chunk and
+history tasks cut into row blocks, its reductions and their inputs the split query tiles (P > 1) or
+the chunk tiles with their splits (P = 1), each a per-request count that grows with the history,
+the query tokens and the splits; the envelope plans are packed for the engine too.
 """
 from __future__ import annotations
 
@@ -42,14 +47,17 @@ def _positive(name, v):
 def capacity_for(max_requests: int, max_query_tokens: int, max_history: int, mesh: Mesh,
                  axis_name: str = "dcp", *, num_q_heads: int, num_kv_heads: int = 1,
                  max_query_per_request: int | None = None, head_dim: int | None = None, tile: int = 128, rows_per_tile: int = 128,
-                 min_capacity: int = 8, num_comm_ctas: int = 16, params=None) -> dict:
+                 min_capacity: int = 8, num_comm_ctas: int = 16, params=None,
+                 engine: bool = False, engine_config=None) -> dict:
     """Capacities (``plan_megadcp(..., capacities=...)``) for any step with at most
     ``max_requests`` requests, ``max_query_tokens`` query tokens in all, at most
     ``max_query_per_request`` (default ``max_query_tokens``) per request and at most
     ``max_history`` cached tokens per request (module docstring: the bound).
 
     ``num_kv_heads``, ``tile``, ``rows_per_tile``, ``min_capacity``, ``num_comm_ctas``,
-    ``head_dim`` and ``params`` must be those the steps are planned with.
+    ``head_dim`` and ``params`` must be those the steps are planned with; ``engine=True``
+    (with the steps' ``engine_config``) adds the GPU engine's tables (steps planned with
+    ``engine=True`` or on a GPU where ``"auto"`` packs them).
     """
     from liquidcp_jax.megadcp.plan import plan_megadcp
 
@@ -71,7 +79,7 @@ def capacity_for(max_requests: int, max_query_tokens: int, max_history: int, mes
     hist, qlen = [Hmax] * R, [Qmax] * R
     kw = dict(num_q_heads=int(num_q_heads), num_kv_heads=hkv, head_dim=head_dim, tile=tile,
               rows_per_tile=rows_per_tile, min_capacity=min_capacity, num_comm_ctas=num_comm_ctas,
-              params=params, engine=False)
+              params=params, engine=bool(engine), engine_config=engine_config)
     caps: dict = {}
     for splits in ([tiles0] * R, [1] * R):
         c = plan_megadcp(hist, qlen, mesh, axis_name, splits=splits, **kw).capacity
