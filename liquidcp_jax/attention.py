@@ -10,6 +10,8 @@ packed kernels (or one call that runs on both a laptop and an H100).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,9 +56,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         ``*_seq_lengths``), else ``"xla"``. ``"pallas"``: the Mosaic GPU varlen kernels
         (:func:`liquidcp_jax.pallas.api.varlen_attention`; raises ``ValueError`` saying why it
         cannot run). ``"xla"``: dense masked attention, any device (``O(T * S)`` memory per head).
-        Bad data: a NaN / inf in ``query``, ``key`` or ``value`` reaches only the rows (outputs
-        and gradients) that see it, as ``lcp.reference`` defines (without ``bias``; with one, the
-        XLA path is plain softmax attention and a bad value can spread through ``0 * x``).
+        Bad data: a NaN / inf in ``query``, ``key``, ``value`` or ``bias`` reaches only the rows
+        (outputs and gradients) that see it, as ``lcp.reference`` defines; a ``-inf`` bias hides
+        its pair (as in ``jax.nn``), a NaN or ``+inf`` one makes its row NaN.
     Returns:
       ``query``'s shape and dtype. Rows that attend no key (padding) are 0.
     """
@@ -250,17 +252,90 @@ def _xla(q, k, v, bias, mask, seg, lens, qlen, kvlen, causal: bool, scale: float
         allowed = allowed & mask
     if bias is None:
         return _xla_masked(q, k, v, allowed, scale)
-    qg = q.reshape(B, T, K, G, H)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    s = s + jnp.broadcast_to(bias, (B, N, T, S)).astype(jnp.float32).reshape(B, K, G, T, S)
-    allowed = jnp.broadcast_to(allowed, (B, N, T, S)).reshape(B, K, G, T, S)
-    s = jnp.where(allowed, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))   # softmax does not depend on it
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den > 0, den, 1.0)
-    out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
-    return out.reshape(B, T, N, H).astype(q.dtype)
+    grid = lambda x, dtype: jnp.broadcast_to(x, (B, N, T, S)).astype(dtype).reshape(B, K, G, T, S)
+    out = _biased(q.reshape(B, T, K, G, H), k, v, grid(bias, jnp.float32), grid(allowed, bool),
+                  scale)                                   # [B, K, G, T, H]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- the bias path
+# Dense attention with an additive logits bias under the bad-data rule of ``state.attend``: the
+# arithmetic runs on inputs with non-finite entries zeroed, pairs a row cannot see stay out of it,
+# and the entries that depend on a bad value are then marked NaN. A ``-inf`` bias hides the pair
+# (as in jax.nn); a NaN or ``+inf`` bias on a visible pair makes its row bad.
+
+def _biased_scores(qc, kc, bias, allowed, scale):
+    """``(s, vis, bbad)``: scores ``[B, K, G, T, S]`` (``-inf`` off the visible pairs), the
+    visible pairs and the visible pairs whose bias is NaN / ``+inf``."""
+    vis = allowed & (bias != -jnp.inf)
+    bfin = jnp.isfinite(bias)
+    bbad = vis & ~bfin
+    s = jnp.einsum("btkgh,bskh->bkgts", qc, kc, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(vis & bfin, s + jnp.where(bfin, bias, 0.0), -jnp.inf)
+    return s, vis, bbad
+
+
+def _reach(vis, bad):
+    """``vis [B, K, G, T, S]``, ``bad [B, S, K]`` -> ``[B, K, G, T]``: a visible key is bad."""
+    return jnp.einsum("bkgts,bsk->bkgt", vis.astype(jnp.float32), bad.astype(jnp.float32)) > 0
+
+
+def _reach_keys(vis, rows):
+    """``vis [B, K, G, T, S]``, ``rows [B, K, G, T]`` -> ``[B, S, K]``: a marked row sees the key."""
+    return jnp.einsum("bkgts,bkgt->bsk", vis.astype(jnp.float32), rows.astype(jnp.float32)) > 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _biased(q, k, v, bias, allowed, scale):
+    """``q [B, T, K, G, H]``, ``k, v [B, S, K, H]``, ``bias [B, K, G, T, S]`` float32, ``allowed``
+    ``[B, K, G, T, S]`` bool -> ``out [B, K, G, T, H]`` float32 (0 where a row sees no key)."""
+    return _biased_fwd(q, k, v, bias, allowed, scale)[0]
+
+
+def _biased_fwd(q, k, v, bias, allowed, scale):
+    from liquidcp_jax.state import _finish, _shift, clean
+    (qc, qbad), (kc, kbad), (vc, vbad) = clean(q), clean(k), clean(v)
+    s, vis, bbad = _biased_scores(qc, kc, bias, allowed, scale)
+    m = _shift(jnp.max(s, axis=-1))
+    p = jnp.exp(s - m[..., None])                                   # 0 off the visible pairs
+    o = jnp.einsum("bkgts,bskh->bkgth", p, vc.astype(jnp.float32))
+    st = _finish(o, jnp.sum(p, axis=-1), m)
+    has = jnp.any(vis, axis=-1)
+    sbad = (jnp.transpose(qbad, (0, 2, 3, 1)) & has) | _reach(vis, kbad) | jnp.any(bbad, axis=-1)
+    rbad = sbad | _reach(vis, vbad)
+    out = jnp.where(rbad[..., None], jnp.nan, st.out)
+    lse = jnp.where(sbad, jnp.nan, st.lse)
+    return out, (q, k, v, bias, allowed, out, lse)
+
+
+def _biased_bwd(scale, res, dout):
+    from liquidcp_jax.state import clean
+    q, k, v, bias, allowed, out, lse = res
+    (qc, _), (kc, _), (vc, _) = clean(q), clean(k), clean(v)
+    outc, obad = clean(out)
+    doc, dobad = clean(dout.astype(jnp.float32))
+    s, vis, bbad = _biased_scores(qc, kc, bias, allowed, scale)
+    lse_ok = jnp.isfinite(lse)
+    p = jnp.where(jnp.isfinite(s) & lse_ok[..., None],
+                  jnp.exp(s - jnp.where(lse_ok, lse, 0.0)[..., None]), 0.0)
+    delta = jnp.sum(doc * outc, axis=-1)
+    dv = jnp.einsum("bkgts,bkgth->bskh", p, doc)
+    dp = jnp.einsum("bkgth,bskh->bkgts", doc, vc.astype(jnp.float32))
+    ds = p * (dp - delta[..., None])
+    dq = jnp.einsum("bkgts,bskh->btkgh", ds, kc.astype(jnp.float32)) * scale
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds, qc.astype(jnp.float32)) * scale
+    has = jnp.any(vis, axis=-1)
+    sbad = jnp.isnan(lse) & has
+    gq = (obad | dobad | sbad) & has            # rows whose score gradients are bad
+    gv = (sbad | dobad) & has                   # rows whose probabilities or dout are bad
+    dq = jnp.where(jnp.transpose(gq, (0, 3, 1, 2))[..., None], jnp.nan, dq)
+    dk = jnp.where(_reach_keys(vis, gq)[..., None], jnp.nan, dk)
+    dv = jnp.where(_reach_keys(vis, gv)[..., None], jnp.nan, dv)
+    dbias = jnp.where(vis & gq[..., None], jnp.nan, ds)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None)
+
+
+_biased.defvjp(_biased_fwd, _biased_bwd)
 
 
 def _xla_masked(q, k, v, allowed, scale: float):

@@ -176,15 +176,18 @@ def test_megadcp_and_dcp_baselines(case, which):
     check("out", out, ro, want["out"], TOL)
 
 
-@given(cases(placements=("all_cp",)), st.sampled_from(["lengths", "segment_ids", "head_mask"]),
-       st.booleans())
+@given(cases(placements=("all_cp",)), st.sampled_from(["lengths", "segment_ids", "head_mask",
+                                                       "bias"]), st.booleans())
 @example(EXAMPLES[0], "lengths", True)
 @example(EXAMPLES[2], "segment_ids", False)
 @example(EXAMPLES[1], "head_mask", True)
+@example(EXAMPLES[0], "bias", True)
 @SETTINGS
 def test_dot_product_attention_xla(case, packing, causal):
     """lcp.dot_product_attention's XLA path over a packed row ([T, N, H]): by lengths=, by
-    segment_ids=, or by segment_ids= with a per-head mask (all True: the heads-as-batch branch)."""
+    segment_ids=, by segment_ids= with a per-head mask (all True: the heads-as-batch branch), or
+    by segment_ids= with a bias constant along each row (the bias path; softmax is unchanged by
+    it, so the reference without bias holds)."""
     _, lengths, _, spot, seed = case
     x, do = _inputs(lengths, seed, spot)
     T = sum(lengths)
@@ -193,6 +196,9 @@ def test_dot_product_attention_xla(case, packing, causal):
           {"segment_ids": seg})
     if packing == "head_mask":
         kw["mask"] = jnp.ones((HQ, T, T), bool)
+    if packing == "bias":
+        row = np.random.default_rng(seed).standard_normal((HQ, T, 1)).astype(np.float32)
+        kw["bias"] = jnp.broadcast_to(jnp.asarray(row), (HQ, T, T))
 
     def f(q, k, v):
         return lcp.dot_product_attention(q, k, v, is_causal=causal, implementation="xla", **kw)

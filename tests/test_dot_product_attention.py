@@ -168,3 +168,79 @@ def test_pallas_path_segment_tables(rng):
     out = attention._pallas(q, k, v, *attention.segment_tables(B, T, seg, None, None), True,
                             H ** -0.5, interpret=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=5e-3)
+
+
+def test_bias_values_and_gradients_match_jax_nn(rng):
+    """The bias path (XLA) against jax.nn: out and the gradients of q, k, v and the bias, with a
+    -inf bias hiding some pairs (every row keeps its diagonal)."""
+    B, T, N, K, H = 2, 12, 4, 2, 8
+    q, k, v = _qkv(rng, B, T, N, K, H)
+    bias = rng.standard_normal((1, N, T, T)).astype(np.float32)
+    bias[rng.random(bias.shape) < 0.2] = -np.inf
+    bias[..., np.arange(T), np.arange(T)] = 0.5
+    bias = jnp.asarray(bias)
+    mask = jnp.asarray(rng.random((B, 1, T, T)) < 0.8) | jnp.eye(T, dtype=bool)
+    w = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    loss = lambda f: (lambda q, k, v, b: jnp.sum(f(q, k, v, b) * w))
+    ours = loss(lambda q, k, v, b: lcp.dot_product_attention(q, k, v, b, mask, is_causal=True))
+    theirs = loss(lambda q, k, v, b: _ref(q, k, v, mask=mask, bias=b, is_causal=True))
+    got = jax.value_and_grad(ours, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    want = jax.value_and_grad(theirs, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
+    for a, b in zip(got[1], want[1]):
+        b = jnp.where(jnp.isfinite(b), b, 0.0)   # jax.nn: NaN gradient for the -inf bias entries
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bias_bad_values_stay_in_their_rows(rng):
+    """A NaN / +inf bias on a visible pair makes its row (and the gradients that depend on that
+    row) NaN and nothing else; on a hidden pair it changes nothing; -inf hides the pair; a bad
+    value in one packed segment does not reach the other segment through the bias path."""
+    T, N, K, H = 16, 2, 1, 8
+    q, k, v = (x[0] for x in _qkv(rng, 1, T, N, K, H))
+    seg = jnp.asarray(np.repeat([0, 1], [7, 9]))
+    bias = jnp.asarray(rng.standard_normal((N, T, T)), jnp.float32)
+    do = jnp.asarray(rng.standard_normal((T, N, H)), jnp.float32)
+
+    def run(q, k, v, b):
+        f = lambda q, k, v, b: lcp.dot_product_attention(q, k, v, b, segment_ids=seg, is_causal=True)
+        out, vjp = jax.vjp(f, q, k, v, b)
+        return (out,) + vjp(do)
+
+    clean = run(q, k, v, bias)
+    assert all(np.isfinite(np.asarray(x)).all() for x in clean)
+    i, h = 11, 1                                   # row 11 (segment 1) sees keys 7..11
+    for bad in (np.nan, np.inf):
+        out, dq, dk, dv, db = run(q, k, v, bias.at[h, i, 9].set(bad))
+        nan_out = np.zeros((T, N), bool)
+        nan_out[i, h] = True
+        seen = np.zeros(T, bool)
+        seen[7:i + 1] = True
+        nan_row = np.zeros((N, T, T), bool)
+        nan_row[h, i, 7:i + 1] = True
+        for name, got, want, marked in (("out", out, clean[0], nan_out), ("dq", dq, clean[1], nan_out),
+                                        ("dk", dk, clean[2], seen[:, None]),
+                                        ("dv", dv, clean[3], seen[:, None]),
+                                        ("dbias", db, clean[4], nan_row)):
+            got, want = np.asarray(got), np.asarray(want)
+            marked = np.broadcast_to(marked if marked.ndim == got.ndim else marked[..., None],
+                                     got.shape)
+            assert np.isnan(got[marked]).all(), name
+            np.testing.assert_allclose(got[~marked], want[~marked], rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
+    hidden = run(q, k, v, bias.at[h, i, 3].set(np.nan))      # key 3: segment 0, hidden from row 11
+    hidden2 = run(q, k, v, bias.at[h, 2, 5].set(np.nan))     # key 5 > query 2: causally hidden
+    for got in hidden[:4] + hidden2[:4]:
+        assert np.isfinite(np.asarray(got)).all()
+    for a, b in zip(hidden[:4], clean[:4]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # -inf bias = the pair masked out
+    out = run(q, k, v, bias.at[h, i, 9].set(-np.inf))[0]
+    keep = jnp.ones((N, T, T), bool).at[h, i, 9].set(False)
+    want = lcp.dot_product_attention(q, k, v, bias, keep, segment_ids=seg, is_causal=True)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-7)
+    # +inf in v of segment 0: segment 1 is untouched
+    out, dq, dk, dv, db = run(q, k, v.at[3, 0, 2].set(np.inf), bias)
+    for got, want in zip((out, dq, dk, dv), clean[:4]):
+        np.testing.assert_allclose(np.asarray(got)[7:], np.asarray(want)[7:], rtol=1e-6, atol=1e-7)
+    assert np.isnan(np.asarray(out)[3:7]).all() and np.isfinite(np.asarray(out)[:3]).all()
