@@ -2,6 +2,7 @@
 import importlib.util
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -67,3 +68,43 @@ def test_megadcp_tokens_equal_dense_tokens(example):
     # Pinned capacities: one compiled program per path for the whole decode.
     assert res["traces"] == {"dense": 1, "megadcp": 1}
     assert lines[-1] == "tokens equal: OK"
+
+
+@pytest.mark.skipif(_MEGADCP_ERROR is not None, reason=f"liquidcp_jax.megadcp not importable: {_MEGADCP_ERROR}")
+def test_bfloat16_cache_two_runs_compile_once(example):
+    # A bf16 KV cache (both paths round their inputs to it); the second run reuses the programs.
+    res = example.main(["--new-tokens", "3", "--dcp", "2", "--prompt-lengths", "4,11",
+                        "--prefill-chunk", "8", "--layers", "1", "--dtype", "bfloat16",
+                        "--reps", "2"], log=lambda *_: None)
+    assert res["logits_rel_error"] < 2e-2
+    assert res["traces"] == {"dense": 1, "megadcp": 1}
+    assert set(res["tokens_per_s"]) == {"dense", "megadcp"}
+    assert all(r > 0 for r in res["tokens_per_s"].values())
+
+
+def test_agreeing_steps_stop_at_the_first_flipped_token(example):
+    steps = example.schedule([2, 5], new_tokens=3, prefill_chunk=4)
+    want = np.array([[1, 2, 3], [4, 5, 6]])
+    assert example._agreeing_steps(steps, want, want, [2, 5]) == len(steps)
+    got = want.copy()
+    got[1, 1] = 9          # request 1's second token: emitted by the step with hist + q - 5 == 1
+    i = next(i for i, (h, q) in enumerate(steps) if (h + q - np.array([2, 5]) >= 1).any())
+    assert example._agreeing_steps(steps, got, want, [2, 5]) == i + 1
+
+
+@pytest.mark.gpu
+def test_decode_loop_on_the_gpu_engine(example):
+    """Issue 24 item 5: the decode loop on the MegaDCP GPU engine (P = 1, one KV head, bf16,
+    D = 128) against dense attention, with the XLA executor beside it; tokens/s of both."""
+    from liquidcp_jax.pallas import api
+    ok, why = api.is_supported(jnp.bfloat16, 128)
+    if not ok:
+        pytest.skip(why)
+    lines = []
+    res = example.main(["--new-tokens", "6", "--dcp", "1", "--kv-heads", "1", "--head-dim", "128",
+                        "--dtype", "bfloat16", "--backend", "pallas", "--prompt-lengths",
+                        "300,17,1000", "--prefill-chunk", "256", "--reps", "2"], log=lines.append)
+    assert res["logits_rel_error"] < 2e-2
+    assert res["traces"]["megadcp"] == 2          # one program per backend for 2 runs
+    assert set(res["tokens_per_s"]) == {"dense", "megadcp", "megadcp_xla"}
+    print("\n".join(lines))
