@@ -367,8 +367,9 @@ def main(argv=None, log=print):
         for name in paths:
             log(f"  request {r}: {name:11s} {tokens[name][r].tolist()}")
     for name in paths:
-        log(f"  {name:11s} {rate[name]:9.1f} generated tokens/s (run {args.reps} of {args.reps}, "
-            f"host planning and compilation{' after warm-up' if args.reps > 1 else ''} included)")
+        how = "a warm run: host planning included" if args.reps > 1 else \
+            "the first run: compilation and host planning included (--reps 2 for a warm one)"
+        log(f"  {name:11s} {rate[name]:9.1f} generated tokens/s ({how})")
     # bf16 / f16: a near-tie may flip a token (then the later steps differ); compare the logits
     # of the steps before the first differing token.
     err = 0.0
