@@ -1,0 +1,215 @@
+"""MegaRing engine ablation on emulated ranks, one GPU (issue 25 item 5; the paper's Fig. 11(a)).
+
+For a ``--devices``-rank BuddyRing plan of a sampled packed batch (tiles of 128 rows, bf16,
+``D = 128``), the forward of ``--heads`` heads (one engine launch per head, back to back in one
+jitted function) by each step of the ablation:
+
+  ==============  =====================================================================
+  segment_ring    per-step kernels with the merge in XLA (today's ``segment_ring``): each
+                  rank's ring steps run alone on the whole GPU; the slowest rank counts
+  staged          persistent: the transfer launch, then one compute launch of static task
+                  lists (a protocol run's claims), all ranks in one launch
+  fused_tau1      one fused launch, device-side commit counters and claims, one KV tile per
+                  task (``task_tiles = 1``: no coalescing)
+  fused           the fused launch with readiness-driven coalescing (the plan's ``tau_max``)
+  ==============  =====================================================================
+
+The paper's middle step, per-step kernels with a fused merge, is not built (the segment ring's
+merge is XLA's). Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
+(``varlen_attention``, every sequence local) over ``P`` times the slowest rank (segment ring) or
+over the launch time (the engine steps: all ``P`` ranks share the GPU in one launch, each with
+``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU).
+
+    python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
+        [--steps segment_ring,staged,fused_tau1,fused] [--reps 10] [--budget-s S] [--out PATH]
+    python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens
+
+On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
+staged step in the Mosaic GPU interpreter (tiles of 64 rows) and checks it against float64.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from benchmarks import attention as A
+from benchmarks import harness as H
+
+STEPS = ("segment_ring", "staged", "fused_tau1", "fused")
+
+
+def cases(spec: str) -> list[H.Case]:
+    """``"freelaw:64K:8,pilecc:64K:4"`` -> cases of (dataset, tokens, ranks)."""
+    out = []
+    for item in H.parse_list(spec):
+        parts = item.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"--cases: each item is dataset:tokens:ranks, got {item!r}")
+        ds, tok, p = parts
+        out.append(H.Case(f"{ds} {tok} P={p}", {"dataset": ds, "tokens": tok, "ranks": int(p)}))
+    return out
+
+
+def build(lengths, ranks: int, tile: int, task_tiles: int, comm: int = 2):
+    """``(layout, tables, geometry)`` of a BuddyRing plan over ``ranks`` emulated ranks."""
+    from liquidcp_jax import placement as placement_lib
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.megaring.layout import build_layout
+    from liquidcp_jax.pallas import megaring_transport as mt
+    pl = placement_lib.buddyring(list(lengths), ranks)
+    lay = build_layout(lengths, pl.starts, pl.sizes, ranks, tile)
+    send = tuple(int(-(-lay.prefix_rows[t].max() // tile)) for t in range(1, lay.steps))
+    tb = ep.build_engine_tables(lay, send, causal=True, task_tiles=task_tiles, comm_per_rank=comm)
+    return lay, tb, mt.RingGeometry(ranks, lay.capacity // tile, tile, send)
+
+
+def _heads(fn, heads: int):
+    """``fn(q, k, v) -> (out, lse)`` for ``[H, P*C, D]`` inputs: one call per head, in order."""
+    def run(q, k, v):
+        return [fn(q[h], k[h], v[h]) for h in range(heads)]
+    return run
+
+
+def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool):
+    """The engine steps as ``{name: f(q, k, v)}`` for one head."""
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.pallas import megaring_engine as me
+    P = geom.num_ranks
+    cpr = max(num_sms // P, tb.comm_per_rank + 1)
+    sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+    return {
+        "staged": lambda q, k, v: me.forward_staged(q, k, v, tb, geom, scale=scale,
+                                                   num_ctas=P * cpr, sim=sim, interpret=interpret),
+        "fused_tau1": lambda q, k, v: me.forward_launch(q, k, v, tb1, geom, scale=scale,
+                                                       ctas_per_rank=cpr),
+        "fused": lambda q, k, v: me.forward_launch(q, k, v, tb, geom, scale=scale,
+                                                  ctas_per_rank=cpr),
+    }
+
+
+def measure(case: H.Case, a, num_sms: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.megaring.ring_segments import build_ring_segments, step_key_rows
+    from liquidcp_jax.pallas import api
+    from liquidcp_jax.pallas.tables import Segments
+    from benchmarks.segment_ring_compute import make_fns
+
+    lengths = A.batch_lengths(case["dataset"], case["tokens"])
+    P, B, Hh, D = case["ranks"], a.tile, a.heads, a.head_dim
+    lay, tb, g = build(lengths, P, B, a.task_tiles)
+    _, tb1, _ = build(lengths, P, B, 1)
+    scale = D ** -0.5
+    T = int(lengths.sum())
+    rng = np.random.default_rng(0)
+    x = {n: jnp.asarray(rng.standard_normal((Hh, T, D)), jnp.bfloat16) for n in "qkv"}
+    src = jnp.asarray(lay.shard_src)
+    cp = lambda t: jnp.concatenate([t, jnp.zeros((Hh, 1, D), t.dtype)], axis=1)[:, src]  # noqa: E731
+    qc, kc, vc = cp(x["q"]), cp(x["k"]), cp(x["v"])
+    base = {"case": case.name, "dataset": case["dataset"], "tokens": T, "ranks": P,
+            "num_seqs": len(lengths), "heads": Hh, "tile": B,
+            "group_sizes": sorted({int(s) for s in lay.sizes.tolist()}),
+            "tau_max": a.task_tiles, "one_tile_tasks": ep.one_tile_tasks(tb)}
+    rows = []
+    one_ms = None
+    if not a.interpret:
+        sg = A.seg_arrays(lengths)
+        one = jax.jit(lambda q, k, v: api.varlen_attention(q, k, v, *sg, causal=True,
+                                                           sm_scale=scale)[0])
+        t3 = lambda t: jnp.transpose(t, (1, 0, 2))  # noqa: E731   [H, T, D] -> [T, H, D]
+        one_ms = H.time_fn(one, t3(x["q"]), t3(x["k"]), t3(x["v"]), reps=a.reps).median_ms
+        rows.append({**base, "step": "one_step", "ms": round(one_ms, 4)})
+    ref = None
+    if a.interpret or a.check:
+        f64 = lambda t: np.asarray(t.astype(jnp.float32), np.float64)  # noqa: E731
+        mask = ep.valid_pairs(tb).astype(bool)
+        ref = [ep._attend(f64(qc[h]), f64(kc[h]), f64(vc[h]), mask, scale) for h in range(Hh)]
+    ok = tb.tok_seq.reshape(-1) >= 0
+    fns = engine_fns(tb, tb1, g, scale, num_sms, a.interpret)
+    for step in a.steps:
+        row = {**base, "step": step}
+        try:
+            if step == "segment_ring":
+                if a.interpret:
+                    raise RuntimeError("the segment ring's Pallas kernels need a GPU (no --interpret)")
+                S = int(lay.sizes.max())
+                send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, S))
+                rs = build_ring_segments(lay, S, causal=True)
+                C = qc.shape[1] // P
+                fwd, _ = make_fns(rs.q_start.shape[1])
+                per = []
+                t3 = lambda t: jnp.transpose(t, (1, 0, 2))  # noqa: E731
+                for d in range(P):
+                    keys = [jnp.asarray(step_key_rows(P, C, B, send, d, t)) for t in range(S)]
+                    ks = tuple(t3(kc)[r] for r in keys)
+                    vs = tuple(t3(vc)[r] for r in keys)
+                    segs = tuple(Segments(*(jnp.asarray(arr[d, t]) for arr in rs[:6]),
+                                          jnp.int32(rs.count[d, t])) for t in range(S))
+                    per.append(H.time_fn(fwd, t3(qc)[d * C:(d + 1) * C], ks, vs, segs,
+                                         reps=a.reps).median_ms)
+                ms = max(per)
+                row.update(ms=round(ms, 4), ms_per_rank=[round(p, 4) for p in per])
+                if one_ms is not None:
+                    row["efficiency"] = round(one_ms / P / ms, 3)
+            else:
+                f = jax.jit(_heads(fns[step], Hh))
+                outs = jax.block_until_ready(f(qc, kc, vc))
+                if ref is not None:
+                    got = np.concatenate([np.asarray(o.astype(jnp.float32), np.float64)[ok]
+                                          for o, _ in outs])
+                    want = np.concatenate([r[0][ok] for r in ref])   # (out, lse) per head
+                    row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                    if not row["rel_error"] < 2e-2:
+                        raise AssertionError(f"{step}: relative error {row['rel_error']:.3g} "
+                                             f"vs float64 (bf16 bound 2e-2)")
+                if not a.interpret:
+                    ms = H.time_fn(f, qc, kc, vc, reps=a.reps).median_ms
+                    row["ms"] = round(ms, 4)
+                    if one_ms is not None:
+                        row["efficiency"] = round(one_ms / ms, 3)
+        except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
+            row["error"] = H.error_text(e)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="freelaw:64K:8,arxiv:64K:8,pilecc:64K:8,freelaw:64K:4",
+                    help="comma list of dataset:tokens:ranks")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {STEPS}")
+    ap.add_argument("--heads", type=int, default=4, help="heads (one engine launch each)")
+    ap.add_argument("--tile", type=int, default=128, help="tile rows (64 or 128)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dimension (64 or 128)")
+    ap.add_argument("--task-tiles", type=int, default=8, help="tau_max cap of the coalescing step")
+    ap.add_argument("--check", action="store_true", help="check the engine steps vs float64")
+    ap.add_argument("--interpret", action="store_true",
+                    help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens")
+    H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)
+    a = ap.parse_args(argv)
+    a.steps = H.parse_list(a.steps, allowed=STEPS, name="--steps")
+    if a.interpret:
+        a.cases, a.steps, a.tile, a.heads, a.head_dim = "pilecc:2K:4", ["staged"], 64, 1, 64
+    from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
+    G = 132 if a.interpret else num_sms()
+    report = H.Report("benchmarks.megaring_engine", a.out, argv, reps=a.reps, num_sms=G)
+    budget = H.Budget(a.budget_s)
+    H.run(cases(a.cases), lambda c: measure(c, a, G), report, budget)
+    table = H.Table(("case", "<18"), ("step", "<12"), ("ms", ">9.3f"), ("eff", ">6.2f"),
+                    ("rel err", ">9.2e"))
+    print()
+    print(table.header())
+    for r in report.rows:
+        if "error" in r:
+            print(f"{r.get('case', '?'):18s} {r.get('step', ''):12s} error: {r['error']}"[:140])
+        elif "step" in r:
+            print(table.row(r["case"], r["step"], r.get("ms", float("nan")),
+                            r.get("efficiency", float("nan")), r.get("rel_error", float("nan"))))
+    budget.log(f"wrote {a.out}")
+    return report.data
+
+
+if __name__ == "__main__":
+    main()
