@@ -27,3 +27,12 @@ def test_readme_snippet_runs_as_written(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     groups, err = p.stdout.strip().rsplit(" ", 1)
     assert "Group(" in groups and float(err) < 1e-5
+
+
+def test_doc_sizes_and_device_suites():
+    # Issue 20's bounds: a README of about a page, a results page of current tables only, and a
+    # handful of device scripts (the prelude they source counts as one).
+    lines = lambda p: sum(1 for _ in open(os.path.join(ROOT, p)))  # noqa: E731
+    assert lines("README.md") <= 120
+    assert lines("docs/results.md") <= 400
+    assert len(os.listdir(os.path.join(ROOT, "benchmarks", "device"))) <= 6
