@@ -8,23 +8,18 @@ exists (BuddyRing's groups are at most ``max_group_size`` = 8 devices; all-CP's 
 Times are wall-clock and process CPU time per ``buddyring_search`` call (the machine may be
 shared: CPU time is the planner's own cost).
 
-    python benchmarks/placement_scaling.py [--seeds 3] [--out benchmarks/results/latest/placement_scaling.json]
+    python -m benchmarks.placement_scaling [--seeds 3] [--one-node-batches 20] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from liquidcp_jax.placement import all_cp, buddyring_search, imbalance  # noqa: E402
-from liquidcp_jax.workloads import sample_batch  # noqa: E402
+from benchmarks import harness as H
+from liquidcp_jax.placement import all_cp, buddyring_search, imbalance
+from liquidcp_jax.workloads import sample_batch
 
 DATASETS = ("arxiv", "freelaw", "github", "pilecc", "prolong")
 #: (dataset, sequences, devices): the growth with devices at 200 sequences, and with sequences.
@@ -43,13 +38,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--one-node-batches", type=int, default=20)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latest",
-                                                  "placement_scaling.json"))
+    H.add_common_args(ap, H.latest("placement_scaling.json"))
     args = ap.parse_args(argv)
-    rows = []
+    report = H.Report("benchmarks.placement_scaling", args.out, argv, devices=False, echo=False)
+    budget = H.Budget(args.budget_s)
     print(f"{'dataset':>8} {'S':>4} {'N':>4} {'wall ms (median/max)':>21} {'cpu ms (median/max)':>20} "
           f"{'feasible':>8} {'D_T %':>6} {'D_W %':>6} {'shards':>6} {'all-CP D_T / D_W %':>18}")
     for ds, S, n in CASES:
+        if budget.over():
+            budget.log("--budget-s reached: the remaining cases are not run")
+            break
         wall, cpu, rec = [], [], []
         for seed in range(args.seeds):
             lengths = sample_batch(ds, "8M", seed)[:S]
@@ -62,7 +60,7 @@ def main(argv=None):
                "cpu_ms": [x * 1e3 for x in cpu], "feasible": [x[0] for x in rec],
                "d_t": [x[1] for x in rec], "d_w": [x[2] for x in rec], "shards": [x[3] for x in rec],
                "all_cp_d_t": [x[4] for x in rec], "all_cp_d_w": [x[5] for x in rec]}
-        rows.append(row)
+        report.add(row)
         print(f"{ds:>8} {S:>4} {n:>4} {np.median(wall) * 1e3:>10.0f} / {max(wall) * 1e3:>8.0f} "
               f"{np.median(cpu) * 1e3:>9.0f} / {max(cpu) * 1e3:>8.0f} "
               f"{sum(x[0] for x in rec):>5}/{len(rec):<2} {np.mean(row['d_t']) * 100:>6.1f} "
@@ -81,13 +79,9 @@ def main(argv=None):
         print(f"{ds:>8} {budget:>5} {n:>3}  wall median {np.median(wall) * 1e3:6.1f} ms  "
               f"cpu median {np.median(cpu) * 1e3:6.1f} ms  (max {max(wall) * 1e3:6.1f} / "
               f"{max(cpu) * 1e3:6.1f})", flush=True)
-    meta = {"command": " ".join(["python", "benchmarks/placement_scaling.py"] + (argv or sys.argv[1:])),
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "cases": rows, "one_node": one}, f, indent=1)
+    report.update(one_node=one)
     print(f"\nwrote {args.out}")
+    return report.data
 
 
 if __name__ == "__main__":
