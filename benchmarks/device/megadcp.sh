@@ -19,6 +19,8 @@ for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
          else echo "benchmarks/megadcp_engine.py is not in this tree"; fi ;;
   calibrate) step calibrate "${CAL_S:-150}" "$PY" -m benchmarks.megadcp_engine --calibrate \
                --out "$OUT/calibration.json"
-             rm -rf "$OUT/megadcp_engine_profile" ;;  # raw traces; calibration.json holds what they gave
+             # raw traces, and the per-batch inputs that calibration.json's rows also hold
+             # ("calibrate_input"; at most 8 files come back from a device call)
+             rm -rf "$OUT/megadcp_engine_profile" "$OUT"/megadcp_calibration_input*.json ;;
   *) echo "unknown part '$p' (tests bench calibrate)" >&2; exit 2 ;;
 esac; done; done

@@ -8,7 +8,7 @@
 #            every device emulated on this GPU, FreeLaw / ArXiv 128K ($OUT/segring.json)
 #   demo     python -m liquidcp_jax demo --tokens 16K --check sampled
 #   engine   megaring_engine.py: the engine ablation on emulated ranks (segment ring, staged,
-#            fused without / with coalescing; checked vs float64), $ENGINE_CASES ($OUT/engine.json)
+#            fused without / with coalescing; checked vs float64), $ENGINE_CASES ($OUT/ring_engine.json)
 # Env: SINGLE_S, SEGRING_S, DEMO_S, ENGINE_S (timeouts), BACKENDS (single; default pallas,xla).
 source "$(dirname "$0")/prelude.sh"
 for part in "${@:-single demo}"; do for p in $part; do case "$p" in
@@ -17,7 +17,7 @@ for part in "${@:-single demo}"; do for p in $part; do case "$p" in
   segring) step segring "${SEGRING_S:-400}" "$PY" -m benchmarks.segment_ring_compute --datasets freelaw,arxiv \
              --tokens 128K --devices 8 --reps 3 --budget-s $(( ${SEGRING_S:-400} - 120 )) --out "$OUT/segring.json" ;;
   demo)    step demo "${DEMO_S:-140}" "$PY" -m liquidcp_jax demo --tokens 16K --check sampled ;;
-  engine)  step engine "${ENGINE_S:-400}" "$PY" -m benchmarks.megaring_engine --check \
-             ${ENGINE_CASES:+--cases "$ENGINE_CASES"} --budget-s $(( ${ENGINE_S:-400} - 100 )) --out "$OUT/engine.json" ;;
+  engine)  step ring_engine "${ENGINE_S:-400}" "$PY" -m benchmarks.megaring_engine --check \
+             ${ENGINE_CASES:+--cases "$ENGINE_CASES"} --budget-s $(( ${ENGINE_S:-400} - 100 )) --out "$OUT/ring_engine.json" ;;
   *) echo "unknown part '$p' (single segring demo engine)" >&2; exit 2 ;;
 esac; done; done
