@@ -4,8 +4,8 @@
 # Parts:
 #   tests   tests/test_megadcp_engine_gpu.py, 4 xdist workers ($OUT/engine_tests.log)
 #   bench   python -m benchmarks.megadcp_engine $BENCH_ARGS ($OUT/engine.json)
-#   calibrate  profiled engine runs -> per-CTA busy times ($OUT/calibration.json and
-#           $OUT/megadcp_calibration_input*.json; fit them off the device with liquidcp calibrate)
+#   calibrate  profiled engine runs -> per-CTA busy times ($OUT/calibration.json; each row's
+#           "calibrate_input", saved as a file, is what `liquidcp calibrate FILE` fits off the device)
 # Env: TEST_S, BENCH_S, CAL_S (timeouts), BENCH_ARGS (default --quick --budget-s 150).
 source "$(dirname "$0")/prelude.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
