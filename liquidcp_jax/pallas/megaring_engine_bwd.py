@@ -43,6 +43,7 @@ each of dK / dV slots. The fused form (atomics, completion counters) is
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,125 +114,172 @@ def _transforms(dtype):
             plgpu.SwizzleTransform(128))
 
 
+class Bufs(NamedTuple):
+    """A CTA's SMEM (:func:`scratch`): K, V halves, Q, dO halves, dS^T, the f32 staging buffer,
+    (lse2, delta) and key / query (seq, pos), the key / query barriers, the interpreter's P
+    stage."""
+    k: object
+    v: object
+    q: object
+    do: object
+    ds: object
+    f: object
+    qf: object
+    kmeta: object
+    qmeta: object
+    kbar: object
+    qbar: object
+    p: object
+
+
+class Ins(NamedTuple):
+    """GMEM inputs of a task: entries ``[n_ent, >= 2]`` (Q row, seq), tok_seq / tok_pos
+    ``[P * C]``, q, k, v, do ``[P * C, D]``, lse2 / delta ``[P * C]`` f32, rk, rv (receive)."""
+    ent: object
+    seq: object
+    pos: object
+    q: object
+    k: object
+    v: object
+    do: object
+    lse: object
+    dl: object
+    rk: object
+    rv: object
+
+
+def scratch(D: int, dtype, interpret: bool):
+    """The SMEM of :class:`Bufs` (``pl.run_scoped`` arguments, in field order)."""
+    tf = _transforms(dtype)
+    op = lambda: plgpu.SMEM((_H, D), dtype, transforms=tf)  # noqa: E731
+    return (op(), op(), op(), op(), plgpu.SMEM((_H, _H), dtype, transforms=tf),
+            plgpu.SMEM((_H, D), jnp.float32), plgpu.SMEM((2, _H), jnp.float32),
+            plgpu.SMEM((2, _H), jnp.int32), plgpu.SMEM((2, _H), jnp.int32),
+            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6),
+            plgpu.SMEM((_H, _H), dtype, transforms=tf) if interpret else None)
+
+
+def stage_f32(s: Bufs, val, dst, **copy_kw):
+    """f32 ``[64, D]`` registers -> ``dst`` through the staging buffer (a TMA store, or with
+    ``reduction_op="add"`` a TMA reduce-add), after the last copy out of it has read it."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    s.f[...] = val
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s.f, dst, **copy_kw)
+
+
+def key_half(s: Bufs, r: Ins, *, remote, kv_row, meta_row, e0, ne, hk, B, D, dtype, causal,
+             scale2, interpret, emit_dq):
+    """Keys ``64 hk .. 64 hk + 63`` of one task against its entries ``e0 .. e0 + ne - 1`` (module
+    docstring). ``emit_dq(e, hq, dq)`` takes each f32 ``[64, D]`` dQ part (without the softmax
+    scale); returns the half's f32 ``(dK / scale, dV)`` ``[64, D]`` (WGMMA layout)."""
+    nh = B // _H
+    row_l = plgpu.Layout.WGMMA.reduce(1)    # per key (rows of S^T)
+    col_l = plgpu.Layout.WGMMA.reduce(0)    # per query (columns of S^T)
+    shape = (_H, _H)
+    krow = pl.multiple_of(kv_row + hk * _H, 8)
+    mrow = pl.multiple_of(meta_row + hk * _H, 8)
+
+    @pl.when(~remote)
+    def _():
+        plgpu.copy_gmem_to_smem(r.k.at[pl.ds(krow, _H)], s.k, s.kbar.at[0])
+        plgpu.copy_gmem_to_smem(r.v.at[pl.ds(krow, _H)], s.v, s.kbar.at[1])
+
+    @pl.when(remote)
+    def _():
+        plgpu.copy_gmem_to_smem(r.rk.at[pl.ds(krow, _H)], s.k, s.kbar.at[0])
+        plgpu.copy_gmem_to_smem(r.rv.at[pl.ds(krow, _H)], s.v, s.kbar.at[1])
+
+    plgpu.copy_gmem_to_smem(r.seq.at[pl.ds(mrow, _H)], s.kmeta.at[0], s.kbar.at[2])
+    plgpu.copy_gmem_to_smem(r.pos.at[pl.ds(mrow, _H)], s.kmeta.at[1], s.kbar.at[3])
+    for i in range(4):
+        plgpu.barrier_wait(s.kbar.at[i])
+    ks = plgpu.load(s.kmeta.at[0], layout=row_l)
+    kp = plgpu.load(s.kmeta.at[1], layout=row_l)
+
+    def entry(e, carry):
+        dk, dv = carry
+        # the entry's sequence as a WGMMA array (no implicit broadcasts in warpgroup semantics)
+        sid = plgpu.layout_cast(lax.broadcast_in_dim(r.ent[e, 1], shape, ()), plgpu.Layout.WGMMA)
+        for hq in range(nh):
+            qrow = pl.multiple_of(r.ent[e, 0] + hq * _H, 8)
+            srcs = ((r.q, s.q), (r.do, s.do), (r.lse, s.qf.at[0]), (r.dl, s.qf.at[1]),
+                    (r.seq, s.qmeta.at[0]), (r.pos, s.qmeta.at[1]))
+            for i, (src, dst) in enumerate(srcs):
+                plgpu.copy_gmem_to_smem(src.at[pl.ds(qrow, _H)], dst, s.qbar.at[i])
+            for i in range(len(srcs)):
+                plgpu.barrier_wait(s.qbar.at[i])
+            qs = plgpu.load(s.qmeta.at[0], layout=col_l)
+            qp = plgpu.load(s.qmeta.at[1], layout=col_l)
+            lse2 = plgpu.load(s.qf.at[0], layout=col_l)
+            dlt = plgpu.load(s.qf.at[1], layout=col_l)
+            ok = ((lax.broadcast_in_dim(ks, shape, [0]) == sid)
+                  & (lax.broadcast_in_dim(qs, shape, [1]) == sid))
+            if causal:
+                ok = ok & (lax.broadcast_in_dim(kp, shape, [0])
+                           <= lax.broadcast_in_dim(qp, shape, [1]))
+
+            def probs_t(st):   # P^T on the forward's pairs only (others excluded, not scaled)
+                st = st * scale2 - lax.broadcast_in_dim(lse2, shape, [1])
+                return jnp.where(ok, jnp.exp2(jnp.where(ok, st, 0.0)), 0.0)
+
+            pt, dpt = mm_t_pair(s.k, s.q, s.v, s.do, shape, probs_t)
+            ds = jnp.where(ok, pt * (dpt - lax.broadcast_in_dim(dlt, shape, [1])), 0.0)
+            ds = ds.astype(dtype)
+            dv = mm_reg_lhs(dv, pt.astype(dtype), s.do, s.p, interpret)
+            dk = mm_reg_lhs(dk, ds, s.q, s.p, interpret)
+            s.ds[...] = ds            # dS^T, read transposed: dQ_part = dS K
+            plgpu.commit_smem()
+
+            def dq_scope(acc):
+                plgpu.wgmma(acc, s.ds.transpose((1, 0)), s.k)
+                return acc[...]
+
+            emit_dq(e, hq, pl.run_scoped(dq_scope, plgpu.ACC((_H, D), jnp.float32)))
+        return dk, dv
+
+    zero = plgpu.layout_cast(jnp.zeros((_H, D), jnp.float32), plgpu.Layout.WGMMA)
+    return lax.fori_loop(e0, e0 + ne, entry, (zero, zero))
+
+
 @functools.lru_cache(maxsize=16)
 def _build_backward(G: int, B: int, D: int, dtype_name: str, n_ent: int, n_task: int,
                     causal: bool, scale: float, interpret: bool):
     """The staged backward's compute launch (``G`` CTAs of one warpgroup, module docstring)."""
     dtype = jnp.dtype(dtype_name)
     nh = B // _H
-    row_l = plgpu.Layout.WGMMA.reduce(1)    # per key (rows of S^T)
-    col_l = plgpu.Layout.WGMMA.reduce(0)    # per query (columns of S^T)
-    tf = _transforms(dtype)
-    shape = (_H, _H)
-    scale2 = float(scale) * LOG2E   # log2 units (the LSE comes in as lse * log2(e))
-
-    def bcast(x, shp):
-        """A scalar as a WGMMA-layout array (no implicit broadcasts in warpgroup semantics)."""
-        return plgpu.layout_cast(lax.broadcast_in_dim(x, shp, ()), plgpu.Layout.WGMMA)
+    cfg = dict(B=B, D=D, dtype=dtype, causal=causal, scale2=float(scale) * LOG2E,
+               interpret=interpret)
 
     def kernel(task_ref, off_ref, ent_ref, seq_ref, pos_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, dl_ref, rk_ref, rv_ref, dqp_ref, dkp_ref, dvp_ref):
         c = lax.axis_index("sm")
+        r = Ins(ent_ref, seq_ref, pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, rk_ref,
+                rv_ref)
 
-        def scoped(k_s, v_s, q_s, do_s, ds_s, f_s, qf, kmeta, qmeta, kbar, qbar, p_s):
-            def store(val, dst):
-                """f32 [64, D] registers -> a slot of ``dst`` (through the f32 staging buffer)."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last store read f_s
-                f_s[...] = val
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(f_s, dst)
-
-            def key_half(t, hk):
-                remote = task_ref[t, KT["remote"]] != 0
-                krow = pl.multiple_of(task_ref[t, KT["kv_row"]] + hk * _H, 8)
-                mrow = pl.multiple_of(task_ref[t, KT["meta_row"]] + hk * _H, 8)
-
-                @pl.when(~remote)
-                def _():
-                    plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(krow, _H)], k_s, kbar.at[0])
-                    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(krow, _H)], v_s, kbar.at[1])
-
-                @pl.when(remote)
-                def _():
-                    plgpu.copy_gmem_to_smem(rk_ref.at[pl.ds(krow, _H)], k_s, kbar.at[0])
-                    plgpu.copy_gmem_to_smem(rv_ref.at[pl.ds(krow, _H)], v_s, kbar.at[1])
-
-                plgpu.copy_gmem_to_smem(seq_ref.at[pl.ds(mrow, _H)], kmeta.at[0], kbar.at[2])
-                plgpu.copy_gmem_to_smem(pos_ref.at[pl.ds(mrow, _H)], kmeta.at[1], kbar.at[3])
-                for i in range(4):
-                    plgpu.barrier_wait(kbar.at[i])
-                ks = plgpu.load(kmeta.at[0], layout=row_l)
-                kp = plgpu.load(kmeta.at[1], layout=row_l)
-
-                def entry(e, carry):
-                    dk, dv = carry
-                    sid = ent_ref[e, 1]
-                    for hq in range(nh):
-                        qrow = pl.multiple_of(ent_ref[e, 0] + hq * _H, 8)
-                        srcs = ((q_ref, q_s), (do_ref, do_s), (lse_ref, qf.at[0]),
-                                (dl_ref, qf.at[1]), (seq_ref, qmeta.at[0]), (pos_ref, qmeta.at[1]))
-                        for i, (src, dst) in enumerate(srcs):
-                            plgpu.copy_gmem_to_smem(src.at[pl.ds(qrow, _H)], dst, qbar.at[i])
-                        for i in range(len(srcs)):
-                            plgpu.barrier_wait(qbar.at[i])
-                        qs = plgpu.load(qmeta.at[0], layout=col_l)
-                        qp = plgpu.load(qmeta.at[1], layout=col_l)
-                        lse2 = plgpu.load(qf.at[0], layout=col_l)
-                        dlt = plgpu.load(qf.at[1], layout=col_l)
-                        sid_t = bcast(sid, shape)
-                        ok = ((lax.broadcast_in_dim(ks, shape, [0]) == sid_t)
-                              & (lax.broadcast_in_dim(qs, shape, [1]) == sid_t))
-                        if causal:
-                            ok = ok & (lax.broadcast_in_dim(kp, shape, [0])
-                                       <= lax.broadcast_in_dim(qp, shape, [1]))
-
-                        def probs_t(st):   # P^T, the forward's pairs only
-                            st = st * scale2 - lax.broadcast_in_dim(lse2, shape, [1])
-                            return jnp.where(ok, jnp.exp2(jnp.where(ok, st, 0.0)), 0.0)
-
-                        pt, dpt = mm_t_pair(k_s, q_s, v_s, do_s, shape, probs_t)
-                        dst_ = jnp.where(ok, pt * (dpt - lax.broadcast_in_dim(dlt, shape, [1])),
-                                         0.0)
-                        ds = dst_.astype(dtype)
-                        dv = mm_reg_lhs(dv, pt.astype(dtype), do_s, p_s, interpret)
-                        dk = mm_reg_lhs(dk, ds, q_s, p_s, interpret)
-                        ds_s[...] = ds            # dS^T, read transposed: dQ_part = dS K
-                        plgpu.commit_smem()
-
-                        def dq_scope(acc):
-                            plgpu.wgmma(acc, ds_s.transpose((1, 0)), k_s)
-                            return acc[...]
-
-                        dq = pl.run_scoped(dq_scope, plgpu.ACC((_H, D), jnp.float32))
-                        prow = pl.multiple_of((e * nh + hk) * B + hq * _H, 8)
-                        store(dq, dqp_ref.at[pl.ds(prow, _H)])
-                    return dk, dv
-
-                zero = plgpu.layout_cast(jnp.zeros((_H, D), jnp.float32), plgpu.Layout.WGMMA)
-                e0 = task_ref[t, KT["ent_start"]]
-                dk, dv = lax.fori_loop(e0, e0 + task_ref[t, KT["ent_count"]], entry, (zero, zero))
-                orow = pl.multiple_of(task_ref[t, KT["task"]] * B + hk * _H, 8)
-                store(dk, dkp_ref.at[pl.ds(orow, _H)])
-                store(dv, dvp_ref.at[pl.ds(orow, _H)])
+        def scoped(*bufs):
+            s = Bufs(*bufs)
 
             @pl.loop(off_ref[c], off_ref[c + 1])
             def _(t):
                 for hk in range(nh):
-                    key_half(t, hk)
+                    def emit_dq(e, hq, dq, hk=hk):   # the entry's own slot of this key half
+                        prow = pl.multiple_of((e * nh + hk) * B + hq * _H, 8)
+                        stage_f32(s, dq, dqp_ref.at[pl.ds(prow, _H)])
+
+                    dk, dv = key_half(
+                        s, r, remote=task_ref[t, KT["remote"]] != 0, kv_row=task_ref[t, KT["kv_row"]],
+                        meta_row=task_ref[t, KT["meta_row"]], e0=task_ref[t, KT["ent_start"]],
+                        ne=task_ref[t, KT["ent_count"]], hk=hk, emit_dq=emit_dq, **cfg)
+                    orow = pl.multiple_of(task_ref[t, KT["task"]] * B + hk * _H, 8)
+                    stage_f32(s, dk, dkp_ref.at[pl.ds(orow, _H)])
+                    stage_f32(s, dv, dvp_ref.at[pl.ds(orow, _H)])
 
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            scoped,
-            plgpu.SMEM((_H, D), dtype, transforms=tf), plgpu.SMEM((_H, D), dtype, transforms=tf),
-            plgpu.SMEM((_H, D), dtype, transforms=tf), plgpu.SMEM((_H, D), dtype, transforms=tf),
-            plgpu.SMEM((_H, _H), dtype, transforms=tf), plgpu.SMEM((_H, D), jnp.float32),
-            plgpu.SMEM((2, _H), jnp.float32), plgpu.SMEM((2, _H), jnp.int32),
-            plgpu.SMEM((2, _H), jnp.int32), plgpu.Barrier(num_barriers=4),
-            plgpu.Barrier(num_barriers=6),
-            plgpu.SMEM((_H, _H), dtype, transforms=tf) if interpret else None)
+        pl.run_scoped(scoped, *scratch(D, dtype, interpret))
 
-    f32 = lambda r: jax.ShapeDtypeStruct((r, D), jnp.float32)  # noqa: E731
+    f32 = lambda n: jax.ShapeDtypeStruct((n, D), jnp.float32)  # noqa: E731
     out_type = (f32(max(n_ent * nh * B, B)), f32(max(n_task * B, B)), f32(max(n_task * B, B)))
     return plgpu.kernel(kernel, out_type=out_type, grid=(G,), grid_names=("sm",),
                         compiler_params=plgpu.CompilerParams(approx_math=True),
