@@ -308,6 +308,25 @@ def _check_inputs(q, k, v, out, lse, do, tb, geom, scale, interpret):
         raise ValueError(f"scale must be a finite float; got {scale!r}")
 
 
+def _check_recv(rk, rv, q, geom):
+    rrows = max(geom.num_ranks * geom.recv_tiles * geom.tile_size, geom.tile_size)
+    if rk.shape != (rrows, q.shape[1]) or rv.shape != rk.shape or rk.dtype != q.dtype or (
+            rv.dtype != q.dtype):
+        raise ValueError(f"recv must be two [{rrows}, {q.shape[1]}] {q.dtype} receive buffers; got "
+                         f"{rk.shape} {rk.dtype}, {rv.shape} {rv.dtype}")
+
+
+def prepare(out, lse, do, tb):
+    """XLA: ``(dO, delta = rowsum(dO * O), lse * log2(e))`` with padding rows zeroed (the
+    forward's outputs hold anything there: no NaN may reach a matmul)."""
+    valid = jnp.asarray(tb.tok_seq.reshape(-1) >= 0)
+    f32 = lambda x: jnp.where(valid[:, None], x.astype(jnp.float32), 0.0)  # noqa: E731
+    do_ = f32(do)
+    delta = jnp.sum(do_ * f32(out), axis=1)
+    lse2 = jnp.where(valid & jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, 0.0)
+    return do_.astype(do.dtype), delta, lse2
+
+
 def backward_staged(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, *,
                     scale: float, num_ctas: int, recv=None, interpret: bool = False):
     """dQ, dK, dV ``[P * C, D]`` (``q.dtype``) of the engine's attention on emulated ranks: the
@@ -320,18 +339,9 @@ def backward_staged(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeomet
         recv = (transfer_launch(k, tb, geom, interpret=interpret),
                 transfer_launch(v, tb, geom, interpret=interpret))
     rk, rv = recv
-    rrows = max(geom.num_ranks * geom.recv_tiles * geom.tile_size, geom.tile_size)
-    if rk.shape != (rrows, q.shape[1]) or rv.shape != rk.shape or rk.dtype != q.dtype or (
-            rv.dtype != q.dtype):
-        raise ValueError(f"recv must be two [{rrows}, {q.shape[1]}] {q.dtype} receive buffers; got "
-                         f"{rk.shape} {rk.dtype}, {rv.shape} {rv.dtype}")
+    _check_recv(rk, rv, q, geom)
+    do_, delta, lse2 = prepare(out, lse, do, tb)
     n_rows, D = q.shape
-    valid = jnp.asarray(tb.tok_seq.reshape(-1) >= 0)
-    f32 = lambda x: jnp.where(valid[:, None], x.astype(jnp.float32), 0.0)  # noqa: E731
-    # Padding rows of the forward's outputs hold anything: zero them (no NaN reaches a matmul).
-    do_ = f32(do)
-    delta = jnp.sum(do_ * f32(out), axis=1)
-    lse2 = jnp.where(valid & jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, 0.0)
     n_ent, n_task = len(L["ent"]), len(L["task"])
     call = _build_backward(int(num_ctas), geom.tile_size, D, jnp.dtype(q.dtype).name, n_ent,
                            n_task, bool(tb.causal), float(scale), bool(interpret))
@@ -340,7 +350,7 @@ def backward_staged(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeomet
     dqp, dkp, dvp = call(i32(L["task"]), i32(L["task_off"]), i32(L["ent"]),
                          jnp.asarray(tb.tok_seq.reshape(-1), jnp.int32),
                          jnp.asarray(tb.tok_pos.reshape(-1), jnp.int32), q, k, v,
-                         do_.astype(q.dtype), lse2, delta, rk, rv)
+                         do_, lse2, delta, rk, rv)
     # Every slot row adds into one stacked row; rows no slot names (padding) stay 0.
     seg = lambda x, idx: jax.ops.segment_sum(x[:len(idx)], jnp.asarray(idx), n_rows)  # noqa: E731
     dq = seg(dqp, L["dq_idx"]) * scale
