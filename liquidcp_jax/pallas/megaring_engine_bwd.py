@@ -24,8 +24,12 @@ as in the forward). Rows without pairs (padding) get 0.
 
 **Why it cannot deadlock.** Nothing waits on another CTA: no semaphores, no atomics, no spin
 loop; a CTA's only waits are on its own TMA barriers. The launch starts after the transfer launch
-(or the forward) completed, so every receive slot a task reads is written. It runs in the Mosaic
-GPU interpreter (``interpret=True``, float32 there too) as well as on the GPU (bf16 / f16).
+(or the forward) completed, so every receive slot a task reads is written.
+
+**Status.** Runs in the Mosaic GPU interpreter (``interpret=True``; float32 there too, checked
+against float64 in ``tests/test_megaring_engine_bwd.py``) and lowers for sm_90a (bf16 / f16); not
+yet run on a GPU (``tests/test_megaring_engine_bwd_gpu.py``). Not tuned: one warpgroup, synchronous
+TMA, no pipelining, Q / dO reloaded for each 64-key half, dQ parts written per (entry, key half).
 
 **Arguments** (one head; ``P`` ranks, ``C = n * B`` rows per rank, ``R`` receive tiles per rank,
 ``D`` head dim): ``q, k, v, out, do [P * C, D]`` stacked in the plan's CP layout (``out`` the
