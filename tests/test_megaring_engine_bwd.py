@@ -1,0 +1,273 @@
+"""MegaRing engine backward kernel on the CPU: the staged launch (one KV tile per task, static
+per-CTA lists, f32 slots added by XLA segment sums) in the Mosaic GPU interpreter, whose kernel
+memory starts NaN (a slot never written reaches the sums as NaN), against float64 gradients."""
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from liquidcp_jax.megaring import engine_backward as eb
+from liquidcp_jax.megaring import engine_protocol as ep
+from liquidcp_jax.megaring.layout import build_layout
+from liquidcp_jax.pallas import megaring_engine as me
+from liquidcp_jax.pallas import megaring_engine_bwd as mb
+from liquidcp_jax.pallas import megaring_transport as mt
+
+# (lengths, starts, sizes, P, B): P = 2 with tiles of 64 (one key / query half), P = 4 with tiles
+# of 128 (two halves); sequences of 40 and 5 tokens are shorter than a tile.
+PLANS = [
+    ([200, 70, 40], [0, 1, 0], [2, 1, 1], 2, 64),
+    ([500, 130, 700, 40], [0, 2, 0, 3], [2, 1, 4, 1], 4, 128),
+    ([300, 77, 1000, 40, 5, 129], [0, 2, 0, 3, 1, 4], [2, 1, 8, 1, 1, 4], 8, 64),
+]
+
+
+def plan(i, causal=True, comm=1):
+    lengths, starts, sizes, N, B = PLANS[i]
+    lay = build_layout(lengths, starts, sizes, N, B)
+    send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, lay.steps))
+    tb = ep.build_engine_tables(lay, send, causal=causal, comm_per_rank=comm)
+    return tb, mt.RingGeometry(N, lay.capacity // B, B, send)
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def rel(got, want):
+    return np.linalg.norm(f64(got) - want) / np.linalg.norm(want)
+
+
+def poisoned(tb, x, fill=np.nan):
+    """``x`` with its padding rows set to ``fill`` (the forward leaves them unwritten)."""
+    x = np.array(x, copy=True)
+    x[tb.tok_seq.reshape(-1) < 0] = fill
+    return x
+
+
+def inputs(rng, tb, g, d, dtype, scale):
+    """Fresh q, k, v, dO (``dtype``) and the float64 forward (out, lse) and gradients."""
+    rows = g.num_ranks * g.rows
+    q, k, v, do = (jnp.asarray(rng.standard_normal((rows, d)), dtype) for _ in range(4))
+    ref = eb.reference_grads(tb, f64(q), f64(k), f64(v), f64(do), scale)
+    return (q, k, v, do), ref
+
+
+def check_grads(tb, got, ref, tol):
+    pad = tb.tok_seq.reshape(-1) < 0
+    assert pad.any()     # the plans have padding rows, which must come back 0
+    for name, x, want in zip(("dq", "dk", "dv"), got, ref[2:]):
+        x = f64(x)
+        assert np.isfinite(x).all(), name
+        np.testing.assert_array_equal(x[pad], 0.0, err_msg=name)
+        err = rel(x[~pad], want[~pad])
+        assert err < tol, (name, err)
+
+
+@pytest.mark.parametrize("case,causal", [(0, True), (1, True), (2, True), (0, False)])
+def test_backward_staged_f32_matches_float64(rng, case, causal):
+    """float32 in the interpreter: relative error < 1e-5 on every gradient, every valid (query,
+    key) pair once (a pair lost or added twice is far above that); the forward's out / lse / dO
+    NaN on padding rows (they must not leak)."""
+    tb, g = plan(case, causal)
+    d, scale = 64, 0.125
+    (q, k, v, do), ref = inputs(rng, tb, g, d, jnp.float32, scale)
+    out = jnp.asarray(poisoned(tb, ref[0]), jnp.float32)
+    lse = jnp.asarray(poisoned(tb, ref[1]), jnp.float32)
+    do = jnp.asarray(poisoned(tb, do))
+    got = mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=scale, num_ctas=3,
+                             interpret=True)
+    check_grads(tb, got, eb.reference_grads(tb, f64(q), f64(k), f64(v),
+                                            np.nan_to_num(f64(do)), scale), 1e-5)
+
+
+def test_backward_staged_bf16_after_staged_forward(rng):
+    """bf16, head dim 128, P = 4: the staged forward's own out / lse (interpreter; rows of Q tiles
+    without work left NaN) into the staged backward, with the forward's receive buffers passed in; relative
+    error < 2e-2 against float64."""
+    tb, g = plan(1)
+    d = 128
+    (q, k, v, do), ref = inputs(rng, tb, g, d, jnp.bfloat16, d ** -0.5)
+    out, lse = me.forward_staged(q, k, v, tb, g, scale=d ** -0.5, num_ctas=2, interpret=True)
+    assert np.isnan(f64(out)[tb.tok_seq.reshape(-1) < 0]).any()   # unwritten padding: NaN
+    recv = (me.transfer_launch(k, tb, g, interpret=True), me.transfer_launch(v, tb, g, interpret=True))
+    got = mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=d ** -0.5, num_ctas=4,
+                             recv=recv, interpret=True)
+    check_grads(tb, got, ref, 2e-2)
+
+
+def test_backward_lists_cover_tasks_and_slots():
+    """Every backward task on exactly one CTA; slot rows add into the entry's Q rows (dQ) and the
+    tile owner's rows (dK / dV); every valid pair in exactly one (task, entry)."""
+    tb, g = plan(2)
+    bt = eb.build_backward_tables(tb)
+    L = mb.backward_lists(bt, g, 5)
+    assert sorted(L["task"][:, mb.KT["task"]].tolist()) == list(range(len(bt.task)))
+    assert L["task_off"][-1] == len(bt.task) and len(L["task_off"]) == 6
+    B, C = g.tile_size, g.rows
+    assert len(L["dq_idx"]) == len(bt.ent) * (B // 64) * B
+    assert len(L["dkv_idx"]) == len(bt.task) * B
+    seq = tb.tok_seq.reshape(-1)
+    pos = tb.tok_pos.reshape(-1)
+    count = np.zeros((len(seq), len(seq)), np.int32)
+    for row in L["task"].tolist():
+        t = row[mb.KT["task"]]
+        keys = L["dkv_idx"][t * B:(t + 1) * B]
+        assert keys[0] == row[mb.KT["meta_row"]]
+        for e in range(row[mb.KT["ent_start"]], row[mb.KT["ent_start"]] + row[mb.KT["ent_count"]]):
+            qrows = L["ent"][e, 0] + np.arange(B)
+            assert np.array_equal(L["dq_idx"][e * (B // 64) * B:][:B], qrows)
+            m = ((seq[qrows][:, None] == L["ent"][e, 1]) & (seq[keys][None, :] == L["ent"][e, 1])
+                 & (pos[keys][None, :] <= pos[qrows][:, None]))
+            count[np.ix_(qrows, keys)] += m
+    np.testing.assert_array_equal(count, ep.valid_pairs(tb))
+    assert C == g.tiles * B
+
+
+def test_backward_staged_validation():
+    tb, g = plan(0)
+    rows = g.num_ranks * g.rows
+    x = jnp.ones((rows, 64), jnp.bfloat16)
+    lse = jnp.zeros((rows,), jnp.float32)
+    kw = dict(scale=0.1, num_ctas=2)
+    with pytest.raises(ValueError, match="one shape"):
+        mb.backward_staged(x, x, x, x[:64], lse, x, tb, g, **kw)
+    with pytest.raises(ValueError, match="rows"):
+        mb.backward_staged(x[:64], x[:64], x[:64], x[:64], lse, x[:64], tb, g, **kw)
+    with pytest.raises(ValueError, match="lse"):
+        mb.backward_staged(x, x, x, x, lse[:8], x, tb, g, **kw)
+    x32 = x.astype(jnp.float32)
+    with pytest.raises(ValueError, match="interpreter only"):
+        mb.backward_staged(x32, x32, x32, x32, lse, x32, tb, g, **kw)
+    with pytest.raises(ValueError, match="head dim"):
+        mb.backward_staged(x[:, :32], x[:, :32], x[:, :32], x[:, :32], lse, x[:, :32], tb, g, **kw)
+    with pytest.raises(ValueError, match="num_ctas"):
+        mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=0)
+    with pytest.raises(ValueError, match="scale"):
+        mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=float("nan"), num_ctas=2)
+    with pytest.raises(ValueError, match="recv"):
+        mb.backward_staged(x, x, x, x, lse, x, tb, g, recv=(x, x), **kw)
+    with pytest.raises(ValueError, match="geom"):
+        mb.backward_staged(x, x, x, x, lse, x, tb, mt.RingGeometry(2, g.tiles, 64, (0,)), **kw)
+
+
+def ref_grads_by_sequence(tb, q, k, v, do, scale):
+    """Float64 ``(out, lse, dq, dk, dv)`` as :func:`engine_backward.reference_grads`, one sequence
+    at a time (no ``[P*C, P*C]`` mask: the GPU tests' sizes); padding rows 0 (lse ``-inf``)."""
+    q, k, v, do = (f64(x) for x in (q, k, v, do))
+    seq, pos = tb.tok_seq.reshape(-1), tb.tok_pos.reshape(-1)
+    out, dq, dk, dv = (np.zeros_like(q) for _ in range(4))
+    lse = np.full(len(seq), -np.inf)
+    for s in np.unique(seq[seq >= 0]):
+        i = np.nonzero(seq == s)[0]
+        m = pos[i][None, :] <= pos[i][:, None] if tb.causal else np.ones((len(i),) * 2, bool)
+        sc = np.where(m, q[i] @ k[i].T * scale, -np.inf)
+        lse[i] = np.logaddexp.reduce(sc, axis=1)
+        p = np.exp(sc - lse[i][:, None])
+        out[i] = p @ v[i]
+        ds = p * (do[i] @ v[i].T - (do[i] * out[i]).sum(1)[:, None])
+        dq[i], dk[i], dv[i] = ds @ k[i] * scale, ds.T @ q[i] * scale, p.T @ do[i]
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ref_grads_by_sequence_matches_reference_grads(rng, causal):
+    """The GPU tests' per-sequence float64 reference equals the stacked one."""
+    tb, g = plan(2, causal)
+    # float32 values: the helper reads its inputs through float32 (bf16 / f32 device arrays)
+    x = [rng.standard_normal((g.num_ranks * g.rows, 8)).astype(np.float32) for _ in range(4)]
+    ok = tb.tok_seq.reshape(-1) >= 0
+    for a, b in zip(ref_grads_by_sequence(tb, *x, 0.3),
+                    eb.reference_grads(tb, *(a.astype(np.float64) for a in x), 0.3)):
+        np.testing.assert_allclose(a[ok], b[ok], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case,d,dtype", [(1, 128, jnp.bfloat16), (2, 64, jnp.float16)])
+def test_backward_staged_lowers_for_sm90(case, d, dtype):
+    """The GPU form (register-LHS wgmma for dV / dK) lowers for sm_90a: one Mosaic GPU kernel
+    (the transfer launches are given as ``recv``)."""
+    import jax
+    tb, g = plan(case)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), dtype)
+    rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), d), dtype)
+    lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
+    f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: mb.backward_staged(
+        q, k, v, o, lse, do, tb, g, scale=0.1, num_ctas=16, recv=(rk, rv)))
+    txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- fused (lowering)
+
+@pytest.mark.parametrize("case,d,dtype,ctas", [(1, 128, jnp.bfloat16, 8), (2, 64, jnp.float16, 2)])
+def test_backward_fused_lowers_for_sm90(case, d, dtype, ctas):
+    """The fused backward (fetch-add queues, TMA reduce-adds, completion counters, finalization
+    waits) lowers for sm_90a: one Mosaic GPU kernel. Lowering only: it has never run."""
+    import jax
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    tb, g = plan(case)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), dtype)
+    rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), d), dtype)
+    lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
+    f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: mf.backward_fused(
+        q, k, v, o, lse, do, tb, g, scale=0.1, ctas_per_rank=ctas, recv=(rk, rv)))
+    txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+def test_fused_tables_drive_exact_gradients(rng):
+    """The fused launch's tables, run in NumPy as the kernel reads them (keys from ``k`` or the
+    receive slot a transfer filled, reduce-adds at the rows and counters the tables name): float64
+    gradients equal the reference, and every counter ends at its finalization item's target."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    tb, g = plan(2)
+    bt = eb.build_backward_tables(tb)
+    t = mf.fused_tables(bt, g)
+    B, n = g.tile_size, g.tiles
+    rows = g.num_ranks * g.rows
+    q, k, v, do = (rng.standard_normal((rows, 8)) for _ in range(4))
+    o, lse, dq_ref, dk_ref, dv_ref = eb.reference_grads(tb, q, k, v, do, 0.3)
+    xrows, _, _ = me.transfer_lists(tb, g)
+    recv = {dst: src for src, dst in xrows.tolist()}     # receive row -> the owner's row it holds
+    seq, pos = tb.tok_seq.reshape(-1), tb.tok_pos.reshape(-1)
+    dq, dk, dv = (np.zeros_like(q) for _ in range(3))
+    done_kv, done_q = np.zeros(g.num_ranks * n, int), np.zeros(g.num_ranks * n, int)
+    delta = (do * o).sum(1)
+    f = mf.FT
+    for row in t["task"].tolist():
+        src = recv[row[f["kv_row"]]] if row[f["remote"]] else row[f["kv_row"]]
+        assert src == row[f["meta_row"]] == row[f["owner_row"]]
+        kr = src + np.arange(B)
+        for e in range(row[f["ent_start"]], row[f["ent_start"]] + row[f["ent_count"]]):
+            qr, sid, qc = t["ent"][e]
+            qr = qr + np.arange(B)
+            m = (seq[qr][:, None] == sid) & (seq[kr][None, :] == sid) & (pos[kr] <= pos[qr][:, None])
+            p = np.where(m, np.exp(np.where(m, q[qr] @ k[kr].T * 0.3 - lse[qr][:, None], 0)), 0)
+            ds = np.where(m, p * (do[qr] @ v[kr].T - delta[qr][:, None]), 0)
+            dq[qr] += ds @ k[kr] * 0.3
+            dk[kr] += ds.T @ q[qr] * 0.3
+            dv[kr] += p.T @ do[qr]
+            done_q[qc] += 1
+        done_kv[row[f["owner_ctr"]]] += 1
+    for a, b in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+    fin = t["fin"]
+    np.testing.assert_array_equal(done_kv[fin[:, mf.FI["ctr"]]], fin[:, mf.FI["exp_kv"]])
+    np.testing.assert_array_equal(done_q[fin[:, mf.FI["ctr"]]], fin[:, mf.FI["exp_q"]])
+    # counters outside the items never move; items are the rank's own tiles, rank-major
+    other = np.setdiff1d(np.arange(len(done_kv)), fin[:, mf.FI["ctr"]])
+    assert not done_kv[other].any() and not done_q[other].any()
+    assert np.all(fin[:, mf.FI["row"]] == fin[:, mf.FI["ctr"]] * B)
+
+
+def test_backward_fused_validation():
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    tb, g = plan(0)
+    x = jnp.ones((g.num_ranks * g.rows, 64), jnp.bfloat16)
+    lse = jnp.zeros((g.num_ranks * g.rows,), jnp.float32)
+    with pytest.raises(ValueError, match="ctas_per_rank"):
+        mf.backward_fused(x, x, x, x, lse, x, tb, g, scale=0.1, ctas_per_rank=0)
+    with pytest.raises(ValueError, match="resident"):
+        mf.backward_fused(x, x, x, x, lse, x, tb, g, scale=0.1, ctas_per_rank=1000)
+    x32 = x.astype(jnp.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        mf.backward_fused(x32, x32, x32, x32, lse, x32, tb, g, scale=0.1, ctas_per_rank=2)
