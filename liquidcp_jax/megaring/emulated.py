@@ -12,10 +12,13 @@ buffer (:mod:`liquidcp_jax.pallas.megaring_transport`'s emulated transport). On 
 the transport differs (``remote_ref`` to the peer GPU); that path waits for several GPUs.
 
 Host side (the constructor) builds the layout, the engine tables and the ring geometry once; the
-call is jittable per head loop. Forward only: the engine's backward kernel is not wired in yet.
+call is jittable and differentiable: the engine's backward (``pallas/megaring_engine_bwd``:
+one KV tile per task; fused: reduce-adds into the owners' accumulators under completion counters)
+is its VJP.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,8 +90,12 @@ class EmulatedRing:
         engine launch per query head (query head ``h`` reads KV head ``h // (Hq / Hkv)``).
         ``mode``: ``"fused"`` (device-side counters; GPU only) or ``"staged"`` (transfer launch,
         then static task lists from a protocol run; what the CPU interpreter runs). Rows of
-        padding are left unwritten by the engine and returned as 0."""
+        padding are returned as 0 (out) and ``-inf`` (lse). Differentiable in ``q``, ``k``,
+        ``v`` through ``out`` (the engine's backward of the same mode; ``lse`` carries no
+        gradient)."""
         from liquidcp_jax.pallas import megaring_engine as me
+        from liquidcp_jax.pallas import megaring_engine_bwd as mb
+        from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[0] != k.shape[0]:
@@ -104,6 +111,8 @@ class EmulatedRing:
             cpr = ctas_per_rank or max(num_sms() // P, self.tables.comm_per_rank + 1)
             run = lambda a, b, c: me.forward_launch(a, b, c, self.tables, self.geometry,  # noqa: E731
                                                     scale=scale, ctas_per_rank=cpr)
+            grad = lambda *x: mbf.backward_fused(*x, self.tables, self.geometry,  # noqa: E731
+                                                 scale=scale, ctas_per_rank=cpr)
         else:
             if self._sim is None:
                 self._sim = ep.simulate(self.tables, ep.SimConfig(delay="none", ctas_per_rank=2))
@@ -111,12 +120,15 @@ class EmulatedRing:
             run = lambda a, b, c: me.forward_staged(a, b, c, self.tables, self.geometry,  # noqa: E731
                                                     scale=scale, num_ctas=n, sim=self._sim,
                                                     interpret=interpret)
+            grad = lambda *x: mb.backward_staged(*x, self.tables, self.geometry,  # noqa: E731
+                                                 scale=scale, num_ctas=n, interpret=interpret)
+        head = _engine_head(run, grad)
         valid = jnp.asarray(self.layout.tok_seq.reshape(-1) >= 0)
         outs, lses = [], []
         for h in range(hq):
-            o, l = run(q[:, h], k[:, h // (hq // hkv)], v[:, h // (hq // hkv)])
+            o, l = head(q[:, h], k[:, h // (hq // hkv)], v[:, h // (hq // hkv)])
             outs.append(jnp.where(valid[:, None], o, 0).astype(q.dtype))
-            lses.append(jnp.where(valid, l, -jnp.inf))
+            lses.append(jnp.where(valid, jax.lax.stop_gradient(l), -jnp.inf))
         return jnp.stack(outs, axis=1), jnp.stack(lses, axis=1)
 
     def attention(self, q, k, v, **kw):
@@ -124,6 +136,27 @@ class EmulatedRing:
         (:meth:`attention_sharded` between :meth:`shard` and :meth:`unshard`)."""
         out, _ = self.attention_sharded(self.shard(q), self.shard(k), self.shard(v), **kw)
         return self.unshard(out)
+
+
+def _engine_head(run, grad):
+    """One head's engine forward ``run(q, k, v) -> (out, lse)`` with the engine backward
+    ``grad(q, k, v, out, lse, dout) -> (dq, dk, dv)`` as its VJP (``lse``'s cotangent is dropped:
+    the caller stops its gradient)."""
+    @jax.custom_vjp
+    def head(q, k, v):
+        return run(q, k, v)
+
+    def fwd(q, k, v):
+        out, lse = run(q, k, v)
+        return (out, lse), (q, k, v, out, lse)
+
+    def bwd(res, ct):
+        q, k, v, out, lse = res
+        dq, dk, dv = grad(q, k, v, out, lse, ct[0].astype(q.dtype))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    head.defvjp(fwd, bwd)
+    return head
 
 
 __all__ = ["EmulatedRing", "MODES"]
