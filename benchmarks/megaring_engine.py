@@ -1,8 +1,8 @@
 """MegaRing engine ablation on emulated ranks, one GPU (issue 25 item 5; the paper's Fig. 11(a)).
 
 For a ``--devices``-rank BuddyRing plan of a sampled packed batch (tiles of 128 rows, bf16,
-``D = 128``), the forward of ``--heads`` heads (one engine launch per head, back to back in one
-jitted function) by each step of the ablation:
+``D = 128``), the forward and the forward+backward of ``--heads`` heads (one engine launch per
+head and pass, back to back in one jitted function) by each step of the ablation:
 
   ==============  =====================================================================
   segment_ring    per-step kernels with the merge in XLA (today's ``segment_ring``): each
@@ -71,20 +71,40 @@ def _heads(fn, heads: int):
     return run
 
 
+def _heads_fb(fwd, bwd, heads: int):
+    """Forward then backward of every head (``[H, P*C, D]`` inputs and ``do``)."""
+    def run(q, k, v, do):
+        out = []
+        for h in range(heads):
+            o, l = fwd(q[h], k[h], v[h])
+            out.append(bwd(q[h], k[h], v[h], o, l, do[h]))
+        return out
+    return run
+
+
 def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool):
-    """The engine steps as ``{name: f(q, k, v)}`` for one head."""
+    """The engine steps as ``{name: (forward(q, k, v) -> (out, lse), backward(q, k, v, out, lse,
+    do) -> (dq, dk, dv))}`` for one head."""
     from liquidcp_jax.megaring import engine_protocol as ep
     from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
     P = geom.num_ranks
     cpr = max(num_sms // P, tb.comm_per_rank + 1)
     sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+
+    def fused(t):
+        return (lambda q, k, v: me.forward_launch(q, k, v, t, geom, scale=scale, ctas_per_rank=cpr),
+                lambda *x: mbf.backward_fused(*x, t, geom, scale=scale, ctas_per_rank=cpr))
+
     return {
-        "staged": lambda q, k, v: me.forward_staged(q, k, v, tb, geom, scale=scale,
-                                                   num_ctas=P * cpr, sim=sim, interpret=interpret),
-        "fused_tau1": lambda q, k, v: me.forward_launch(q, k, v, tb1, geom, scale=scale,
-                                                       ctas_per_rank=cpr),
-        "fused": lambda q, k, v: me.forward_launch(q, k, v, tb, geom, scale=scale,
-                                                  ctas_per_rank=cpr),
+        "staged": (lambda q, k, v: me.forward_staged(q, k, v, tb, geom, scale=scale,
+                                                     num_ctas=P * cpr, sim=sim,
+                                                     interpret=interpret),
+                   lambda *x: mb.backward_staged(*x, tb, geom, scale=scale, num_ctas=P * cpr,
+                                                 interpret=interpret)),
+        "fused_tau1": fused(tb1),
+        "fused": fused(tb),
     }
 
 
@@ -107,7 +127,8 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     x = {n: jnp.asarray(rng.standard_normal((Hh, T, D)), jnp.bfloat16) for n in "qkv"}
     src = jnp.asarray(lay.shard_src)
     cp = lambda t: jnp.concatenate([t, jnp.zeros((Hh, 1, D), t.dtype)], axis=1)[:, src]  # noqa: E731
-    qc, kc, vc = cp(x["q"]), cp(x["k"]), cp(x["v"])
+    do = jnp.asarray(rng.standard_normal((Hh, T, D)), jnp.bfloat16)
+    qc, kc, vc, doc = cp(x["q"]), cp(x["k"]), cp(x["v"]), cp(do)
     base = {"case": case.name, "dataset": case["dataset"], "tokens": T, "ranks": P,
             "num_seqs": len(lengths), "heads": Hh, "tile": B,
             "group_sizes": sorted({int(s) for s in lay.sizes.tolist()}),
@@ -119,8 +140,14 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
         one = jax.jit(lambda q, k, v: api.varlen_attention(q, k, v, *sg, causal=True,
                                                            sm_scale=scale)[0])
         t3 = lambda t: jnp.transpose(t, (1, 0, 2))  # noqa: E731   [H, T, D] -> [T, H, D]
-        one_ms = H.time_fn(one, t3(x["q"]), t3(x["k"]), t3(x["v"]), reps=a.reps).median_ms
+        args = (t3(x["q"]), t3(x["k"]), t3(x["v"]))
+        one_ms = H.time_fn(one, *args, reps=a.reps).median_ms
         rows.append({**base, "step": "one_step", "ms": round(one_ms, 4)})
+        if a.bwd:
+            one_fb = jax.jit(jax.grad(lambda q, k, v, w: jnp.sum(
+                (one(q, k, v) * w).astype(jnp.float32)), argnums=(0, 1, 2)))
+            one_fb_ms = H.time_fn(one_fb, *args, t3(do), reps=a.reps).median_ms
+            rows[-1]["fb_ms"] = round(one_fb_ms, 4)
     ref = None
     if a.interpret or a.check:
         f64 = lambda t: np.asarray(t.astype(jnp.float32), np.float64)  # noqa: E731
@@ -138,8 +165,8 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                 send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, S))
                 rs = build_ring_segments(lay, S, causal=True)
                 C = qc.shape[1] // P
-                fwd, _ = make_fns(rs.q_start.shape[1])
-                per = []
+                fwd, fwdbwd = make_fns(rs.q_start.shape[1])
+                per, per_fb = [], []
                 t3 = lambda t: jnp.transpose(t, (1, 0, 2))  # noqa: E731
                 for d in range(P):
                     keys = [jnp.asarray(step_key_rows(P, C, B, send, d, t)) for t in range(S)]
@@ -147,14 +174,20 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     vs = tuple(t3(vc)[r] for r in keys)
                     segs = tuple(Segments(*(jnp.asarray(arr[d, t]) for arr in rs[:6]),
                                           jnp.int32(rs.count[d, t])) for t in range(S))
-                    per.append(H.time_fn(fwd, t3(qc)[d * C:(d + 1) * C], ks, vs, segs,
-                                         reps=a.reps).median_ms)
+                    qd = t3(qc)[d * C:(d + 1) * C]
+                    per.append(H.time_fn(fwd, qd, ks, vs, segs, reps=a.reps).median_ms)
+                    if a.bwd:
+                        per_fb.append(H.time_fn(fwdbwd, qd, ks, vs, t3(doc)[d * C:(d + 1) * C],
+                                                segs, reps=a.reps).median_ms)
                 ms = max(per)
                 row.update(ms=round(ms, 4), ms_per_rank=[round(p, 4) for p in per])
                 if one_ms is not None:
                     row["efficiency"] = round(one_ms / P / ms, 3)
+                if per_fb:
+                    row.update(fb_ms=round(max(per_fb), 4),
+                               fb_efficiency=round(one_fb_ms / P / max(per_fb), 3))
             else:
-                f = jax.jit(_heads(fns[step], Hh))
+                f = jax.jit(_heads(fns[step][0], Hh))
                 outs = jax.block_until_ready(f(qc, kc, vc))
                 if ref is not None:
                     got = np.concatenate([np.asarray(o.astype(jnp.float32), np.float64)[ok]
@@ -169,6 +202,10 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     row["ms"] = round(ms, 4)
                     if one_ms is not None:
                         row["efficiency"] = round(one_ms / ms, 3)
+                    if a.bwd:
+                        fb = jax.jit(_heads_fb(*fns[step], Hh))
+                        fb_ms = H.time_fn(fb, qc, kc, vc, doc, reps=a.reps).median_ms
+                        row.update(fb_ms=round(fb_ms, 4), fb_efficiency=round(one_fb_ms / fb_ms, 3))
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
             row["error"] = H.error_text(e)
         rows.append(row)
@@ -185,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128, help="head dimension (64 or 128)")
     ap.add_argument("--task-tiles", type=int, default=8, help="tau_max cap of the coalescing step")
     ap.add_argument("--check", action="store_true", help="check the engine steps vs float64")
+    ap.add_argument("--fwd-only", dest="bwd", action="store_false",
+                    help="time the forward only (default: also forward+backward)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens")
     H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)
@@ -197,16 +236,18 @@ def main(argv=None):
     report = H.Report("benchmarks.megaring_engine", a.out, argv, reps=a.reps, num_sms=G)
     budget = H.Budget(a.budget_s)
     H.run(cases(a.cases), lambda c: measure(c, a, G), report, budget)
-    table = H.Table(("case", "<18"), ("step", "<12"), ("ms", ">9.3f"), ("eff", ">6.2f"),
-                    ("rel err", ">9.2e"))
+    table = H.Table(("case", "<18"), ("step", "<12"), ("fwd ms", ">9.3f"), ("eff", ">6.2f"),
+                    ("f+b ms", ">9.3f"), ("eff", ">6.2f"), ("rel err", ">9.2e"))
     print()
     print(table.header())
     for r in report.rows:
         if "error" in r:
             print(f"{r.get('case', '?'):18s} {r.get('step', ''):12s} error: {r['error']}"[:140])
         elif "step" in r:
-            print(table.row(r["case"], r["step"], r.get("ms", float("nan")),
-                            r.get("efficiency", float("nan")), r.get("rel_error", float("nan"))))
+            nan = float("nan")
+            print(table.row(r["case"], r["step"], r.get("ms", nan), r.get("efficiency", nan),
+                            r.get("fb_ms", nan), r.get("fb_efficiency", nan),
+                            r.get("rel_error", nan)))
     budget.log(f"wrote {a.out}")
     return report.data
 
