@@ -69,11 +69,25 @@ def _case(case, dtype=np.float16, hq=2, hkv=1, d=64):
     return x, do, seg, causal, spot
 
 
+def _references(x, do, seg, causal, scale):
+    """The float64 references, one KV head (and its query heads) at a time: the dense
+    [heads, T, T] float64 temporaries of all 32 heads at T = 4210 took ~20 GB of host memory per
+    test, and 8 such tests in parallel ran the device machine out of memory (2026-12-05)."""
+    hkv = x["k"].shape[1]
+    g = x["q"].shape[1] // hkv
+    parts = []
+    for j in range(hkv):
+        qs, ks = slice(j * g, (j + 1) * g), slice(j, j + 1)
+        q, k, v = x["q"][:, qs], x["k"][:, ks], x["v"][:, ks]
+        parts.append(ref.segment_attention_reference(q, k, v, seg, causal=causal, scale=scale)
+                     + ref.segment_attention_reference_vjp(q, k, v, do[:, qs], seg, causal=causal,
+                                                           scale=scale))
+    return tuple(np.concatenate([p[i] for p in parts], axis=1) for i in range(5))
+
+
 def _check_all(res, x, do, seg, causal, spot, scale, tol):
     out, lse, dq, dk, dv = res
-    ro, rl = ref.segment_attention_reference(x["q"], x["k"], x["v"], seg, causal=causal, scale=scale)
-    rdq, rdk, rdv = ref.segment_attention_reference_vjp(x["q"], x["k"], x["v"], do, seg,
-                                                        causal=causal, scale=scale)
+    ro, rl, rdq, rdk, rdv = _references(x, do, seg, causal, scale)
     t, hq = x["q"].shape[:2]
     want = dependents(ref.segment_visibility(seg, t, t, causal), hq, x["k"].shape[1], *spot[:3])
     for name, got, r in (("out", out, ro), ("lse", lse, rl), ("dq", dq, rdq), ("dk", dk, rdk),
