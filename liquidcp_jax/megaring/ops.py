@@ -190,8 +190,10 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool | None = Non
         per device) when every sequence is local, else ``"pallas_segment_ring"``
         (:func:`segment_ring_attention`: ``ppermute`` transfers, one kernel call per ring step).
         ``"auto"``: the one-step Pallas path where it can run, else the XLA executor (the segment
-        ring has not been run on several GPUs yet, so it is opt-in). A named backend that cannot
-        run raises ``ValueError`` saying why.
+        ring has not been run on several GPUs yet, so it is opt-in). ``"pallas_engine"`` (opt-in,
+        forward only, never run on GPUs yet): the MegaRing engine, one rank per GPU with the peer
+        transport (:func:`engine_attention`). A named backend that cannot run raises
+        ``ValueError`` saying why.
     Returns:
       ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
     """
@@ -281,8 +283,107 @@ def _one_step_unsupported(call: MegaRingCall) -> str | None:
     return why
 
 
+def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int | None = None,
+                     comm_per_rank: int = 2):
+    """The MegaRing engine on a real mesh (issue 25): the staged engine forward of
+    :mod:`liquidcp_jax.pallas.megaring_engine` with the peer transport, one rank per device
+    under ``jax.shard_map`` over the plan's CP axis (the executor of ``backend="pallas_engine"``).
+
+    q: ``[N * C, Hq, D]``, k, v: ``[N * C, Hkv, D]`` in the plan's CP layout (bf16 / f16, ``D``
+    64 or 128, causal plans, tiles of 64 / 128); ``plan`` as :func:`plan_megaring` returned it (its
+    host layout builds the engine tables). Per device: for each KV head, the transfer launches of
+    K and V (TMA loads from the owners through ``remote_ref``), one :func:`~liquidcp_jax.pallas.
+    megaring_engine.peer_fence` (psum over the CP axis) for all of them, then per query head the
+    compute launch over the rank's own rows, ``num_ctas`` CTAs (default: the SM count). Task
+    lists come from one protocol run without delays. No cross-device wait inside any kernel, so
+    nothing can deadlock; the order is the launch boundaries, Mosaic GPU's pre-launch device
+    barrier and the psum (see ``transfer_launch``). Returns ``[N * C, Hq, D]`` (padding rows 0).
+    Forward only: differentiating raises ``ValueError`` (the engine backward is not wired to
+    the peer transport yet).
+    """
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import megaring_transport as mt
+    from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
+    static = plan.static
+    tb = ep.tables_from_plan(plan, comm_per_rank=comm_per_rank)
+    tr = mt.PeerTransport(mt.RingGeometry.from_capacity(plan.capacity, static.num_devices),
+                          static.axis_name)
+    sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+    K = int(num_ctas or num_sms())
+    hq, hkv = q.shape[1], k.shape[1]
+    valid = jnp.asarray(tb.tok_seq.reshape(static.num_devices, -1) >= 0)
+
+    def f(q, k, v, valid):
+        rkv = [(me.transfer_launch(k[:, j], tb, tr.geom, transport=tr),
+                me.transfer_launch(v[:, j], tb, tr.geom, transport=tr)) for j in range(hkv)]
+        flat = me.peer_fence(static.axis_name, [x for pair in rkv for x in pair], k, v)
+        k, v, bufs = flat[0], flat[1], flat[2:]
+        outs = []
+        for h in range(hq):
+            j = h // (hq // hkv)
+            o, _ = me.peer_compute_launch(q[:, h], k[:, j], v[:, j], bufs[2 * j], bufs[2 * j + 1],
+                                          tb, tr, scale=scale, num_ctas=K, sim=sim)
+            outs.append(jnp.where(valid[0][:, None], o, 0).astype(q.dtype))
+        return (jnp.stack(outs, axis=1),)
+
+    @jax.custom_vjp
+    def run(q, k, v):
+        return _local(f, static, 3, 1, 1)(q, k, v, _constrain(valid, plan.sharding))[0]
+
+    def run_fwd(q, k, v):
+        return run(q, k, v), None
+
+    def run_bwd(res, ct):
+        raise ValueError('backend="pallas_engine" is forward only: the engine backward is not '
+                         'wired to the peer transport yet; differentiate with backend="xla" or '
+                         '"pallas"')
+
+    run.defvjp(run_fwd, run_bwd)
+    q, k, v = (_constrain(x, plan.head_sharding) for x in (q, k, v))
+    return jax.jit(run)(q, k, v)
+
+
+def _on_gpus(mesh) -> bool:
+    """Every device of ``mesh`` is a Hopper GPU (compute capability 9.x)."""
+    return all(d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9.")
+               for d in mesh.devices.flat)
+
+
+def _engine_unsupported(call: MegaRingCall) -> str | None:
+    """Why the engine cannot run this call on a real mesh (``backend="pallas_engine"``)."""
+    import numpy as np
+    plan, s = call.plan, call.plan.static
+    if call.with_lse:
+        return 'the engine backend returns no LSE; use backend="xla" for megaring_attention_with_lse'
+    from liquidcp_jax.pallas import api as pallas_api
+    ok, why = pallas_api.is_supported(call.q.dtype, call.q.shape[-1])
+    if not ok:
+        return f"the MegaRing engine {why}"
+    if s.num_devices < 2:
+        return ('the engine backend runs one rank per device and the plan has one device; use '
+                'lcp.megaring.EmulatedRing (emulated ranks on one GPU) or backend="pallas"')
+    if not s.causal:
+        return "the MegaRing engine handles causal plans only"
+    if s.tile_size not in (64, 128):
+        return f"the MegaRing engine needs tiles of 64 or 128 rows; the plan has {s.tile_size}"
+    if s.head_axis is not None or tuple(plan.mesh.axis_names) != (s.axis_name,):
+        return (f"the engine's peer transport addresses devices along the CP axis only; the mesh "
+                f"has axes {tuple(plan.mesh.axis_names)} (heads over another axis are not wired)")
+    if not _on_gpus(plan.mesh):
+        return "the engine backend needs every device of the plan's mesh to be a Hopper GPU"
+    if not np.array_equal(plan.mesh.device_ids.ravel(), np.arange(plan.mesh.size)):
+        return (f"Mosaic GPU's remote_ref needs a mesh of device ids 0 .. N-1 in order; the plan's "
+                f"mesh has {plan.mesh.device_ids.ravel().tolist()}")
+    if getattr(plan, "layout", None) is None:
+        return ("the engine tables are built from the plan's host layout, which a plan passed "
+                "through jit has dropped; call megaring_attention outside jit or close over the plan")
+    return None
+
+
 #: MegaRing's backends. ``"auto"``: the one-step Pallas path, else XLA (the segment ring only
 #: when named); ``"pallas"``: the one-step path for all-local plans, else the segment ring.
+#: ``"pallas_engine"``: the engine on a real mesh, only when named.
 BACKENDS = Registry("megaring_attention", [
     Backend("xla", _run_xla),
     Backend("pallas_one_step", lambda c: pallas_one_step(c.q, c.k, c.v, c.plan, scale=c.scale),
@@ -290,5 +391,8 @@ BACKENDS = Registry("megaring_attention", [
     Backend("pallas_segment_ring",
             lambda c: segment_ring_attention(c.q, c.k, c.v, c.plan, scale=c.scale),
             _pallas_unsupported),
+    # opt-in only (never "auto"): the engine on a real mesh has not been run on GPUs yet
+    Backend("pallas_engine", lambda c: engine_attention(c.q, c.k, c.v, c.plan, scale=c.scale),
+            _engine_unsupported),
 ], auto=("pallas_one_step", "xla"),
     aliases={"pallas": ("pallas_one_step", "pallas_segment_ring")})
