@@ -127,6 +127,15 @@ def engine_variant(kind, d=128, dt="bf16"):
         "transfer_fused": lambda x: me.transfer_launch(x, tb, g, fused=True),
         "fwd_fused": lambda x: me.forward_launch(x, x, x, tb, g, scale=0.1, ctas_per_rank=4),
         "fwd_staged": lambda x: me.forward_staged(x, x, x, tb, g, scale=0.1, num_ctas=8)}
+  if kind.startswith("bwd"):
+    from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    lse = sd((g.num_ranks * g.rows,), jnp.float32)
+    if kind == "bwd_staged":
+      f = lambda x, l: mb.backward_staged(x, x, x, x, l, x, tb, g, scale=0.1, num_ctas=8)
+    else:
+      f = lambda x, l: mf.backward_fused(x, x, x, x, l, x, tb, g, scale=0.1, ctas_per_rank=4)
+    return jax.jit(f).trace(x, lse).lower(lowering_platforms=("cuda",))
   return jax.jit(fs[kind]).trace(x).lower(lowering_platforms=("cuda",))
 
 
@@ -192,7 +201,7 @@ def variants():
     v[f"xla_twin_fwd_{cs}"] = (xla_twin, dict(kind="fwd", causal=causal))
     v[f"xla_twin_bwd_{cs}"] = (xla_twin, dict(kind="bwd", causal=causal))
   v["grad_runtime_fused"] = (grad_variant, dict(causal=True, d=128, dt="bf16", t=4096))
-  for kind in ("transfer", "transfer_fused", "fwd_fused", "fwd_staged"):
+  for kind in ("transfer", "transfer_fused", "fwd_fused", "fwd_staged", "bwd_staged", "bwd_fused"):
     v[f"engine_{kind}"] = (engine_variant, dict(kind=kind))
   v["engine_fwd_staged_d64_f16"] = (engine_variant, dict(kind="fwd_staged", d=64, dt="f16"))
   return v

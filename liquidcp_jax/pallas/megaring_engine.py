@@ -41,7 +41,8 @@ TMA-loads each remote tile from ``remote_ref(kv, {axis: rank ^ t})`` into its ow
 :func:`peer_fence` (a psum over the axis, then an ``optimization_barrier``) orders every rank's
 transfers before any compute launch and keeps each rank's K / V alive while peers read them; the
 compute launch (:func:`peer_compute_launch`) is the staged one over local rows (the rank an
-input, no peer memory). Lowered for sm_90a on the CPU; never run on GPUs.
+input, no peer memory). The backward: ``megaring_engine_bwd.peer_backward_rank`` /
+``peer_return``. Lowered for sm_90a on the CPU; never run on GPUs.
 
 Not tuned, and the fused form not yet run: no KV pipelining or ping-pong (one warpgroup,
 synchronous TMA per tile), the scan reads every segment's counters per claim, one head per
