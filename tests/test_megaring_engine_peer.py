@@ -334,3 +334,15 @@ def test_peer_backward_matches_float64(rng, case, causal):
     dk, dv = ret(put(dk_ext)), ret(put(dv_ext))
     check_grads(tb, (dq, dk, dv), eb.reference_grads(tb, f64(q), f64(k), f64(v),
                                                      np.nan_to_num(f64(do)), scale), 1e-5)
+
+
+def test_megaring_attention_pallas_engine_lowers(monkeypatch):
+    """The public path: megaring_attention(..., backend="pallas_engine") under jit (the plan
+    closed over), with the device checks passed as on Hopper GPUs, lowers for sm_90a."""
+    monkeypatch.setattr(pallas_api, "is_supported", lambda dtype, d: (True, ""))
+    monkeypatch.setattr(mops, "_on_gpus", lambda mesh: True)
+    plan = lcp.plan_megaring([700, 300, 1500], _mesh(2), placement="all_cp", tile_size=64)
+    x = jax.ShapeDtypeStruct((plan.cp_tokens, 2, 64), jnp.float16, sharding=plan.head_sharding)
+    f = jax.jit(lambda q, k, v: lcp.megaring_attention(q, k, v, plan, backend="pallas_engine"))
+    txt = f.trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 2 * 2 + 2
