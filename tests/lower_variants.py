@@ -116,6 +116,29 @@ def xla_twin(kind, causal):
       lowering_platforms=("cpu",))
 
 
+def engine_variant(kind, d=128, dt="bf16"):
+  """The MegaRing engine's launches on emulated ranks (4 ranks, tiles of 64)."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from test_megaring_engine import _plan
+  from liquidcp_jax.pallas import megaring_engine as me
+  _, tb, g = _plan([200, 90, 30, 500], [0, 2, 1, 0], [2, 2, 1, 4], 4, 64, 2)
+  x = sd((g.num_ranks * g.rows, d), DT[dt])
+  fs = {"transfer": lambda x: me.transfer_launch(x, tb, g),
+        "transfer_fused": lambda x: me.transfer_launch(x, tb, g, fused=True),
+        "fwd_fused": lambda x: me.forward_launch(x, x, x, tb, g, scale=0.1, ctas_per_rank=4),
+        "fwd_staged": lambda x: me.forward_staged(x, x, x, tb, g, scale=0.1, num_ctas=8)}
+  if kind.startswith("bwd"):
+    from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    lse = sd((g.num_ranks * g.rows,), jnp.float32)
+    if kind == "bwd_staged":
+      f = lambda x, l: mb.backward_staged(x, x, x, x, l, x, tb, g, scale=0.1, num_ctas=8)
+    else:
+      f = lambda x, l: mf.backward_fused(x, x, x, x, l, x, tb, g, scale=0.1, ctas_per_rank=4)
+    return jax.jit(f).trace(x, lse).lower(lowering_platforms=("cuda",))
+  return jax.jit(fs[kind]).trace(x).lower(lowering_platforms=("cuda",))
+
+
 def variants():
   """name -> (builder, keyword arguments) of every selectable variant (and the defaults)."""
   v = {}
@@ -178,6 +201,9 @@ def variants():
     v[f"xla_twin_fwd_{cs}"] = (xla_twin, dict(kind="fwd", causal=causal))
     v[f"xla_twin_bwd_{cs}"] = (xla_twin, dict(kind="bwd", causal=causal))
   v["grad_runtime_fused"] = (grad_variant, dict(causal=True, d=128, dt="bf16", t=4096))
+  for kind in ("transfer", "transfer_fused", "fwd_fused", "fwd_staged", "bwd_staged", "bwd_fused"):
+    v[f"engine_{kind}"] = (engine_variant, dict(kind=kind))
+  v["engine_fwd_staged_d64_f16"] = (engine_variant, dict(kind="fwd_staged", d=64, dt="f16"))
   return v
 
 

@@ -9,7 +9,9 @@ The ``P`` ranks of a BuddyRing placement are slices of one stacked array (``ring
 plan's CP layout, ``[P * C, ...]``) and one engine launch runs all of them, each rank with its
 share of the SMs: a remote KV tile is another rank's slice, moved by TMA into the rank's receive
 buffer (:mod:`liquidcp_jax.pallas.megaring_transport`'s emulated transport). On a real mesh only
-the transport differs (``remote_ref`` to the peer GPU); that path waits for several GPUs.
+the transport differs (``remote_ref`` to the peer GPU): ``megaring_attention(...,
+backend="pallas_engine")`` runs the staged forward and backward that way (lowered on the CPU,
+not yet run on several GPUs).
 
 Host side (the constructor) builds the layout, the engine tables and the ring geometry once; the
 call is jittable and differentiable: the engine's backward (``pallas/megaring_engine_bwd``:

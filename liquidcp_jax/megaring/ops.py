@@ -190,8 +190,10 @@ def megaring_attention(q, k, v, plan: MegaRingPlan, *, causal: bool | None = Non
         per device) when every sequence is local, else ``"pallas_segment_ring"``
         (:func:`segment_ring_attention`: ``ppermute`` transfers, one kernel call per ring step).
         ``"auto"``: the one-step Pallas path where it can run, else the XLA executor (the segment
-        ring has not been run on several GPUs yet, so it is opt-in). A named backend that cannot
-        run raises ``ValueError`` saying why.
+        ring has not been run on several GPUs yet, so it is opt-in). ``"pallas_engine"`` (opt-in,
+        never run on GPUs yet): the MegaRing engine, one rank per GPU with the peer
+        transport (:func:`engine_attention`). A named backend that cannot run raises
+        ``ValueError`` saying why.
     Returns:
       ``[N * capacity, Hq, D]`` in ``q.dtype``; padding rows are 0.
     """
@@ -281,8 +283,139 @@ def _one_step_unsupported(call: MegaRingCall) -> str | None:
     return why
 
 
+def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int | None = None,
+                     comm_per_rank: int = 2):
+    """The MegaRing engine on a real mesh (issue 25): the staged engine of
+    :mod:`liquidcp_jax.pallas.megaring_engine` / ``megaring_engine_bwd`` with the peer transport,
+    one rank per device under ``jax.shard_map`` over the plan's CP axis (the executor of
+    ``backend="pallas_engine"``). Differentiable.
+
+    q: ``[N * C, Hq, D]``, k, v: ``[N * C, Hkv, D]`` in the plan's CP layout (bf16 / f16, ``D``
+    64 or 128, causal plans, tiles of 64 / 128); ``plan`` as :func:`plan_megaring` returned it (its
+    host layout builds the engine tables). Returns ``[N * C, Hq, D]`` (padding rows 0).
+
+    Forward, per device: for each KV head the transfer launches of K and V (TMA loads from the
+    owners through ``remote_ref``), one ``peer_fence`` (psum over the CP axis) for all of them,
+    then per query head the compute launch over the rank's own rows, ``num_ctas`` CTAs (default:
+    the SM count), task lists from one protocol run without delays. Backward (the receive buffers
+    are residuals: no second transfer): per query head the staged backward's compute launch on
+    the rank's rows and receive slots (``peer_backward_rank``), dK / dV of the received tiles
+    summed over the KV head's query heads and sent back to their owners by one ``ppermute`` per
+    exchange step (``peer_return``). No kernel waits on another device, so nothing can deadlock;
+    the order is the launch boundaries, Mosaic GPU's pre-launch device barrier and XLA's
+    collectives (see ``megaring_engine.transfer_launch``).
+    """
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_transport as mt
+    from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
+    static = plan.static
+    tb = ep.tables_from_plan(plan, comm_per_rank=comm_per_rank)
+    tr = mt.PeerTransport(mt.RingGeometry.from_capacity(plan.capacity, static.num_devices),
+                          static.axis_name)
+    sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+    K = int(num_ctas or num_sms())
+    hq, hkv = q.shape[1], k.shape[1]
+    grp = hq // hkv
+    C, Rb = tr.geom.rows, max(tr.geom.recv_tiles, 1) * tr.geom.tile_size
+    valid = tb.tok_seq.reshape(static.num_devices, -1) >= 0    # host: made an array per trace
+    tabs = mb.peer_backward_tables(tb, tr, K)
+    names = tuple(sorted(tabs))
+
+    def fwd_local(q, k, v, valid):
+        rkv = [(me.transfer_launch(k[:, j], tb, tr.geom, transport=tr),
+                me.transfer_launch(v[:, j], tb, tr.geom, transport=tr)) for j in range(hkv)]
+        flat = me.peer_fence(static.axis_name, [x for pair in rkv for x in pair], k, v)
+        k, v, bufs = flat[0], flat[1], flat[2:]
+        outs, lses = [], []
+        for h in range(hq):
+            j = h // grp
+            o, l = me.peer_compute_launch(q[:, h], k[:, j], v[:, j], bufs[2 * j], bufs[2 * j + 1],
+                                          tb, tr, scale=scale, num_ctas=K, sim=sim)
+            outs.append(jnp.where(valid[0][:, None], o, 0).astype(q.dtype))
+            lses.append(jnp.where(valid[0], l, -jnp.inf))
+        return (jnp.stack(outs, axis=1), jnp.stack(lses, axis=1),
+                jnp.stack(bufs[0::2], axis=1), jnp.stack(bufs[1::2], axis=1))
+
+    def bwd_local(q, k, v, out, lse, do, rk, rv, *tab):
+        t = {name: x[0] for name, x in zip(names, tab)}
+        dqs, dks, dvs = [], [], []
+        for j in range(hkv):
+            dk = dv = jnp.zeros((C + Rb, q.shape[-1]), jnp.float32)
+            for h in range(j * grp, (j + 1) * grp):
+                dq, dkh, dvh = mb.peer_backward_rank(
+                    q[:, h], k[:, j], v[:, j], out[:, h], lse[:, h], do[:, h], rk[:, j],
+                    rv[:, j], t, tb, tr, scale=scale, num_ctas=K)
+                dqs.append(dq)
+                dk, dv = dk + dkh, dv + dvh
+            dks.append(mb.peer_return(dk, tr).astype(k.dtype))
+            dvs.append(mb.peer_return(dv, tr).astype(v.dtype))
+        return jnp.stack(dqs, axis=1), jnp.stack(dks, axis=1), jnp.stack(dvs, axis=1)
+
+    sh = plan.sharding
+
+    def forward(q, k, v):
+        return _local(fwd_local, static, 3, 1, 4)(q, k, v, _constrain(jnp.asarray(valid), sh))
+
+    @jax.custom_vjp
+    def run(q, k, v):
+        return forward(q, k, v)[0]
+
+    def run_fwd(q, k, v):
+        out, lse, rk, rv = forward(q, k, v)
+        return out, (q, k, v, out, lse, rk, rv)
+
+    def run_bwd(res, do):
+        tab = tuple(_constrain(jnp.asarray(tabs[name]), sh) for name in names)
+        return _local(bwd_local, static, 8, len(tab), 3)(*res[:5], do.astype(res[0].dtype),
+                                                         *res[5:], *tab)
+
+    run.defvjp(run_fwd, run_bwd)
+    q, k, v = (_constrain(x, plan.head_sharding) for x in (q, k, v))
+    return jax.jit(run)(q, k, v)
+
+
+def _on_gpus(mesh) -> bool:
+    """Every device of ``mesh`` is a Hopper GPU (compute capability 9.x)."""
+    return all(d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9.")
+               for d in mesh.devices.flat)
+
+
+def _engine_unsupported(call: MegaRingCall) -> str | None:
+    """Why the engine cannot run this call on a real mesh (``backend="pallas_engine"``)."""
+    import numpy as np
+    plan, s = call.plan, call.plan.static
+    if call.with_lse:
+        return 'the engine backend returns no LSE; use backend="xla" for megaring_attention_with_lse'
+    from liquidcp_jax.pallas import api as pallas_api
+    ok, why = pallas_api.is_supported(call.q.dtype, call.q.shape[-1])
+    if not ok:
+        return f"the MegaRing engine {why}"
+    if s.num_devices < 2:
+        return ('the engine backend runs one rank per device and the plan has one device; use '
+                'lcp.megaring.EmulatedRing (emulated ranks on one GPU) or backend="pallas"')
+    if not s.causal:
+        return "the MegaRing engine handles causal plans only"
+    if s.tile_size not in (64, 128):
+        return f"the MegaRing engine needs tiles of 64 or 128 rows; the plan has {s.tile_size}"
+    if s.head_axis is not None or tuple(plan.mesh.axis_names) != (s.axis_name,):
+        return (f"the engine's peer transport addresses devices along the CP axis only; the mesh "
+                f"has axes {tuple(plan.mesh.axis_names)} (heads over another axis are not wired)")
+    if not _on_gpus(plan.mesh):
+        return "the engine backend needs every device of the plan's mesh to be a Hopper GPU"
+    if not np.array_equal(plan.mesh.device_ids.ravel(), np.arange(plan.mesh.size)):
+        return (f"Mosaic GPU's remote_ref needs a mesh of device ids 0 .. N-1 in order; the plan's "
+                f"mesh has {plan.mesh.device_ids.ravel().tolist()}")
+    if getattr(plan, "layout", None) is None:
+        return ("the engine tables are built from the plan's host layout, which a plan passed "
+                "through jit has dropped; call megaring_attention outside jit or close over the plan")
+    return None
+
+
 #: MegaRing's backends. ``"auto"``: the one-step Pallas path, else XLA (the segment ring only
 #: when named); ``"pallas"``: the one-step path for all-local plans, else the segment ring.
+#: ``"pallas_engine"``: the engine on a real mesh, only when named.
 BACKENDS = Registry("megaring_attention", [
     Backend("xla", _run_xla),
     Backend("pallas_one_step", lambda c: pallas_one_step(c.q, c.k, c.v, c.plan, scale=c.scale),
@@ -290,5 +423,8 @@ BACKENDS = Registry("megaring_attention", [
     Backend("pallas_segment_ring",
             lambda c: segment_ring_attention(c.q, c.k, c.v, c.plan, scale=c.scale),
             _pallas_unsupported),
+    # opt-in only (never "auto"): the engine on a real mesh has not been run on GPUs yet
+    Backend("pallas_engine", lambda c: engine_attention(c.q, c.k, c.v, c.plan, scale=c.scale),
+            _engine_unsupported),
 ], auto=("pallas_one_step", "xla"),
     aliases={"pallas": ("pallas_one_step", "pallas_segment_ring")})

@@ -1,4 +1,4 @@
-"""MegaRing engine on Hopper (Pallas Mosaic GPU), emulated ranks.
+"""MegaRing engine on Hopper (Pallas Mosaic GPU), emulated ranks (and, staged, a real mesh).
 
 **Transfer launch** (:func:`transfer_launch`): the engine's communication workers on emulated
 ranks (:class:`~megaring_transport.EmulatedTransport`): one CTA per (rank, worker) walks its list
@@ -33,6 +33,17 @@ order. It is the persistent-kernel step of the ablation and what the CPU interpr
 task body (TMA through the commit map, masks, softmax, wgmma, Eq. 1 merge, last-merge output) is
 checked there against float64, and the pair count through the LSE of zero queries.
 
+**Peer transport** (``transport=PeerTransport(geom, axis)`` of :func:`transfer_launch` /
+:func:`forward_staged`, staged only; ``megaring_attention(..., backend="pallas_engine")``): under
+``jax.shard_map`` over the CP axis each device runs only its own rank on its local ``[C, D]``
+rows. Its transfer launch (``W`` CTAs, lists per exchange step ``t``: :func:`peer_transfer_lists`)
+TMA-loads each remote tile from ``remote_ref(kv, {axis: rank ^ t})`` into its own receive buffer;
+:func:`peer_fence` (a psum over the axis, then an ``optimization_barrier``) orders every rank's
+transfers before any compute launch and keeps each rank's K / V alive while peers read them; the
+compute launch (:func:`peer_compute_launch`) is the staged one over local rows (the rank an
+input, no peer memory). The backward: ``megaring_engine_bwd.peer_backward_rank`` /
+``peer_return``. Lowered for sm_90a on the CPU; never run on GPUs.
+
 Not tuned, and the fused form not yet run: no KV pipelining or ping-pong (one warpgroup,
 synchronous TMA per tile), the scan reads every segment's counters per claim, one head per
 launch, forward only. The fused launch lowers for sm_90a on the CPU;
@@ -56,7 +67,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from liquidcp_jax.megaring import engine_protocol as ep
 from liquidcp_jax.pallas import megaring_sync as msync
 from liquidcp_jax.pallas.common import SMEM_LIMIT, aligned, interpret_params
-from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, RingGeometry
+from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, PeerTransport, RingGeometry
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -155,8 +166,22 @@ def _build_transfer(G: int, recv_rows: int, B: int, D: int, dtype_name: str, int
 
 
 def transfer_launch(kv, tb: ep.EngineTables, geom: RingGeometry, *, fused: bool = False,
-                    interpret: bool = False):
+                    interpret: bool = False, transport=None):
     """Runs the transfer launch (jit-able for fixed tables).
+
+    ``transport``: ``None`` / :class:`EmulatedTransport` (stacked ranks, below) or a
+    :class:`PeerTransport` of ``geom``: called inside ``jax.shard_map`` over its ``axis_name``
+    (``P`` devices, row-major device ids), each device runs only its own rank (``W`` CTAs): ``kv``
+    is the rank's ``[C, D]``, the result its ``[max(R * B, B), D]`` receive buffer, every remote
+    tile a TMA load from ``remote_ref(kv, {axis: owner})``. Staged only (no ``fused``, no
+    interpreter: it cannot run ``remote_ref``). Ordering: the peers' ``kv`` are ready when the
+    launch starts because Mosaic GPU puts a cross-device barrier before every launch that
+    communicates (``CompilerParams.skip_device_barrier=False``); they must stay unwritten until
+    every peer's launch has finished, which the caller orders with :func:`peer_fence` (a psum of
+    the outputs, then the ``kv`` through an ``optimization_barrier``). A fused version (compute
+    in the same launch) would need the same start barrier plus per-tile arrival counters signalled
+    with ``semaphore_signal(device_id=)`` on the reader and an end handshake before the owner's
+    launch may exit.
 
     Args:
       kv: ``[P * C, D]`` stacked K or V of all ranks (the plan's CP layout, one head).
@@ -167,6 +192,18 @@ def transfer_launch(kv, tb: ep.EngineTables, geom: RingGeometry, *, fused: bool 
       unwritten); with ``fused``, ``(recv, map)``: ``map [tb.map_size]`` int32, every stream's
       receive slots in commit order (``stream`` table's ``map_start``; class 1 from ``front``).
     """
+    if isinstance(transport, PeerTransport):
+        if fused or interpret:
+            raise ValueError("the peer transport runs the staged launch on GPUs only (fused=False, "
+                             "interpret=False: the interpreter cannot run remote_ref)")
+        if transport.geom != geom:
+            raise ValueError("transport.geom must be geom")
+        if jnp.dtype(kv.dtype) not in _SUPPORTED_DTYPES:
+            raise ValueError(f"kv dtype must be bfloat16, float16 or float32; got {kv.dtype}")
+        return _peer_transfer(kv, tb, transport)
+    if transport is not None and not isinstance(transport, EmulatedTransport):
+        raise ValueError(f"transport must be None, EmulatedTransport or PeerTransport; got "
+                         f"{type(transport).__name__}")
     if kv.ndim != 2 or kv.shape[0] != geom.num_ranks * geom.rows:
         raise ValueError(f"kv must have shape [P * C = {geom.num_ranks * geom.rows}, D]; got "
                          f"{tuple(kv.shape)}")
@@ -192,6 +229,111 @@ def transfer_launch(kv, tb: ep.EngineTables, geom: RingGeometry, *, fused: bool 
     args = [jnp.asarray(pad(rows, 2)), jnp.asarray(off), jnp.asarray(pad(xins, 3)),
             jnp.asarray(pad(tb.ins.astype(np.int32), 2)), jnp.asarray(pad(st, 3)), kv]
     return call(*args)
+
+
+# ----------------------------------------------------------------------------- peer transport
+
+def peer_transfer_lists(tb: ep.EngineTables, tr: PeerTransport):
+    """Per-(rank, worker, step) transfer lists of the peer transfer launch (host, NumPy).
+
+    Rank ``d``'s worker ``w`` reads at exchange step ``t`` (``1 .. T``, ``T = steps - 1``) only
+    from owner ``d ^ t``; grouping by step keeps the owner a function of the device id and a
+    static ``t`` (Mosaic GPU rebuilds a peer's TMA descriptor on the host, so the peer id may
+    not come from a table). Returns ``(rows, off)``: ``rows [n_xfer, 2]`` int32 (the owner's
+    local source row, the rank's local receive row); ``off (P * W * T + 1,)`` int32, list
+    ``(d * W + w) * T + t - 1`` is ``rows[off[i] : off[i + 1]]`` (host order within a list).
+    """
+    geom = tr.geom
+    if geom.num_ranks != tb.num_ranks or geom.tile_size != tb.tile_size or geom.tiles != tb.tiles:
+        raise ValueError(f"geom ({geom.num_ranks} ranks, {geom.tiles} tiles of {geom.tile_size}) "
+                         f"does not match the tables ({tb.num_ranks}, {tb.tiles}, {tb.tile_size})")
+    if geom.recv_tiles != tb.recv_tiles:
+        raise ValueError(f"geom.recv_tiles={geom.recv_tiles} but the tables' receive buffer has "
+                         f"{tb.recv_tiles} tiles")
+    P, W, T = tb.num_ranks, tb.comm_per_rank, max(geom.steps - 1, 1)
+    lists = [[] for _ in range(P * W * T)]
+    for d in range(P):
+        for x in tb.transfers(d):
+            w, o, b, s = (int(x[ep.XF[k]]) for k in ("worker", "owner", "owner_tile", "recv_slot"))
+            if int(geom.recv_slot(d, o, b)) != s:
+                raise ValueError(f"tables: rank {d}'s transfer of tile {b} of rank {o} has "
+                                 f"recv_slot {s}; the geometry says {int(geom.recv_slot(d, o, b))}")
+            lists[(d * W + w) * T + (d ^ o) - 1].append((tr.kv_row(o, b), tr.recv_row(d, s)))
+    off = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
+    rows = np.asarray([r for x in lists for r in x], np.int32).reshape(-1, 2)
+    return rows, off
+
+
+@functools.lru_cache(maxsize=32)
+def _build_peer_transfer(P: int, W: int, T: int, recv_rows: int, B: int, D: int, dtype_name: str,
+                         axis: str):
+    """The transfer launch of one rank of a real mesh: ``W`` CTAs (the rank's workers); worker
+    ``c`` walks its lists of steps ``1 .. T``, TMA-loading each tile from the owner's ``kv``
+    through ``remote_ref`` and TMA-storing it into the local receive buffer."""
+    dtype = jnp.dtype(dtype_name)
+
+    def kernel(rows_ref, off_ref, kv_ref, recv_ref):
+        c = lax.axis_index("sm")
+        rank = lax.axis_index(axis)
+
+        def body(buf, bar):
+            for t in range(1, T + 1):
+                # the peer id is arith on the device id and a static t (host-recomputable)
+                src_ref = plgpu.remote_ref(kv_ref, {axis: lax.bitwise_xor(rank, t)})
+                li = (rank * W + c) * T + (t - 1)
+                i0, i1 = off_ref[li], off_ref[li + 1]
+
+                @pl.loop(i0, i1)
+                def _(i):
+                    k = i - i0
+                    slot = lax.rem(k, 2)
+                    src = pl.multiple_of(rows_ref[i, 0], 8)
+                    dst = pl.multiple_of(rows_ref[i, 1], 8)
+
+                    @pl.when(k >= 2)
+                    def _():   # the store issued from this slot two tiles ago has read it
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+                    plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(src, B)], buf.at[slot], bar.at[slot])
+                    plgpu.barrier_wait(bar.at[slot])
+                    plgpu.copy_smem_to_gmem(buf.at[slot], recv_ref.at[pl.ds(dst, B)])
+
+                plgpu.wait_smem_to_gmem(0)   # the next step's loop restarts the slot parity
+
+        pl.run_scoped(body, plgpu.SMEM((2, B, D), dtype), plgpu.Barrier(num_barriers=2))
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((recv_rows, D), dtype),
+                        grid=(W,), grid_names=("sm",))
+
+
+def _peer_transfer(kv, tb: ep.EngineTables, tr: PeerTransport):
+    """:func:`transfer_launch` with a :class:`PeerTransport` (see there)."""
+    geom = tr.geom
+    if kv.ndim != 2 or kv.shape[0] != geom.rows:
+        raise ValueError(f"kv must be the rank's own [C = {geom.rows}, D] rows (peer transport, "
+                         f"inside shard_map over {tr.axis_name!r}); got {tuple(kv.shape)}")
+    B, D = geom.tile_size, int(kv.shape[1])
+    rows, off = peer_transfer_lists(tb, tr)
+    call = _build_peer_transfer(geom.num_ranks, tb.comm_per_rank, len(off) // (
+        geom.num_ranks * tb.comm_per_rank), max(geom.recv_tiles * B, B), B, D,
+        jnp.dtype(kv.dtype).name, tr.axis_name)
+    pad = rows if rows.shape[0] else np.zeros((1, 2), np.int32)
+    return call(jnp.asarray(pad), jnp.asarray(off), kv)
+
+
+def peer_fence(axis: str, done, *keep):
+    """Orders a peer transfer launch before what follows, on every rank (XLA level).
+
+    ``done``: the transfer launches' outputs (receive buffers); ``keep``: the arrays peers read
+    (this rank's K / V). Returns ``keep`` (then ``done``) through one ``optimization_barrier``
+    together with a ``psum`` over ``axis`` of one element of each ``done``: the psum completes
+    on a rank only after every rank's transfer launches have completed, and this rank's ``keep``
+    buffers are operands of the barrier after it, so they stay alive (unwritten, unfreed) until
+    no peer can still be reading them. Callers compute from the returned arrays.
+    """
+    tok = lax.psum(sum(x.reshape(-1)[0].astype(jnp.float32) for x in done), axis)
+    out = lax.optimization_barrier((tok,) + tuple(keep) + tuple(done))
+    return out[1:]
 
 
 # ----------------------------------------------------------------------------- fused forward
@@ -242,12 +384,18 @@ _FWD_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_lo
 @functools.lru_cache(maxsize=16)
 def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype_name: str,
                    scale: float, n_streams: int, map_size: int, n_seg: int, staged: bool = False,
-                   interpret: bool = False):
+                   interpret: bool = False, peer_axis: str | None = None):
     """The forward compute launch. Fused: ``G = P * K`` CTAs, CTAs ``0 .. P*W - 1`` are workers
     (their transfers with inserts, then compute), the rest compute; claims, locks and counters
     on the device. Staged (``K`` = the grid): static task lists ``(segment, C, E, merged
     before)`` after a completed transfer launch, a map given as input, each Q tile's tasks in
-    one CTA (no lock, no counter; runs in the interpreter). One warpgroup per CTA."""
+    one CTA (no lock, no counter; runs in the interpreter). One warpgroup per CTA.
+
+    ``peer_axis`` (staged only): one rank per device of a mesh axis. The grid is the rank's ``K``
+    CTAs (task lists ``rank * K + c``, the rank an extra ``(1,)`` int32 input after ``rv``: no
+    device id in the kernel, so no collective metadata and no pre-launch device barrier); Q, K, V,
+    receive buffers, output and running state are the rank's own local rows, while the tables
+    (segments, key metadata) keep their stacked ``[P * ...]`` indices."""
     dtype = jnp.dtype(dtype_name)
     G, C = (K if staged else P * K), n * B
     scale2 = float(scale) * 1.4426950408889634     # log2 units
@@ -259,7 +407,10 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
     def kernel(*refs):
         (rows_ref, off_ref, xins_ref, ins_ref, st_ref, seg_ref, seg_off_ref, seg_local_ref,
          tile_total_ref, rank_total_ref, slot_src_ref, tok_seq_ref, tok_pos_ref, delay_ref) = refs[:14]
-        if staged:
+        if staged and peer_axis is not None:   # plus the device's rank, an input
+            (task_ref, task_off_ref, smap_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref, rank_ref,
+             out_ref, so_ref, sl_ref) = refs[14:]
+        elif staged:
             (task_ref, task_off_ref, smap_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
              out_ref, so_ref, sl_ref) = refs[14:]
         else:
@@ -352,7 +503,9 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 ls = seg_ref[j, sf["local_start"]]
                 strm = jnp.maximum(seg_ref[j, sf["stream"]], 0)
                 qrow = pl.multiple_of(rank * C + a * B + h * _BQ, 8)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(qrow, _BQ)], q_smem, qbar)
+                # peer: this device's own rows (metadata tables stay stacked, indexed by qrow)
+                drow = qrow if peer_axis is None else pl.multiple_of(a * B + h * _BQ, 8)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(drow, _BQ)], q_smem, qbar)
                 plgpu.barrier_wait(qbar)
                 plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(qrow, _BQ)], qmeta.at[0], mbar.at[0])
                 plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(qrow, _BQ)], qmeta.at[1], mbar.at[1])
@@ -373,6 +526,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     lrow = rank * C + b * B
                     rrow = (rank * R + jnp.maximum(slot, 0)) * B
                     meta = jnp.where(local, lrow, slot_src_ref[rank * R + jnp.maximum(slot, 0)])
+                    if peer_axis is not None:   # local K / V / receive rows of this device
+                        lrow, rrow = b * B, jnp.maximum(slot, 0) * B
 
                     @pl.when(local)
                     def _():
@@ -446,8 +601,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 else:
                     msync.lock_acquire(at(locks, u), scr)
                     prev = msync.load_acquire(at(merged, u), scr)
-                plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(qrow, _BQ)], o_smem, sbar.at[0])
-                plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(qrow, _BQ)], l_smem, sbar.at[1])
+                plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(drow, _BQ)], o_smem, sbar.at[0])
+                plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(drow, _BQ)], l_smem, sbar.at[1])
                 plgpu.barrier_wait(sbar.at[0])
                 plgpu.barrier_wait(sbar.at[1])
                 o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
@@ -466,15 +621,15 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 o_smem[...] = o_new
                 l_smem[...] = l_new
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(qrow, _BQ)])
-                plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(qrow, _BQ)])
+                plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(drow, _BQ)])
+                plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(drow, _BQ)])
                 done_tiles = prev + (e0 - c0)
 
                 @pl.when(done_tiles == tile_total_ref[rank * n + a])
                 def _():   # the last merge of this half writes the output rows
                     q_smem[...] = o_new.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(qrow, _BQ)])
+                    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(drow, _BQ)])
 
                 plgpu.wait_smem_to_gmem(0)
                 if not staged:
@@ -505,7 +660,9 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 return (got >= rank_total_ref[rank]).astype(jnp.int32)
 
             if staged:
-                @pl.loop(task_off_ref[c], task_off_ref[c + 1])
+                ci = c if peer_axis is None else rank_ref[0] * K + c
+
+                @pl.loop(task_off_ref[ci], task_off_ref[ci + 1])
                 def _(t):
                     for h in range(B // _BQ):
                         run_half(task_ref[t, 0], task_ref[t, 1], task_ref[t, 2], h, task_ref[t, 3])
@@ -523,9 +680,12 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             plgpu.SMEM((_BQ, B), dtype, transforms=tf) if interpret else None)
 
     causal_flag = True
-    state = (jax.ShapeDtypeStruct((P * C, D), jnp.float32), jax.ShapeDtypeStruct((P * C,), jnp.float32))
+    if peer_axis is not None and not staged:
+        raise ValueError("peer_axis: the staged launch only")
+    rows = P * C if peer_axis is None else C   # peer: the device's own rows
+    state = (jax.ShapeDtypeStruct((rows, D), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32))
     if staged:
-        out_type = (jax.ShapeDtypeStruct((P * C, D), dtype),) + state
+        out_type = (jax.ShapeDtypeStruct((rows, D), dtype),) + state
     else:
         out_type = ((jax.ShapeDtypeStruct((P * C, D), dtype),
                      jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
@@ -575,12 +735,15 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     return outs[0], outs[4]
 
 
-def _check_forward_inputs(q, k, v, tb, geom):
+def _check_forward_inputs(q, k, v, tb, geom, rows=None):
     if not tb.causal:
         raise ValueError("tb: the fused forward skeleton handles causal tables only")
     if q.shape != k.shape or k.shape != v.shape or q.ndim != 2:
         raise ValueError(f"q, k, v must have one shape [P * C, D]; got {q.shape}, {k.shape}, {v.shape}")
-    if q.shape[0] != geom.num_ranks * geom.rows:
+    if rows is not None:   # the peer transport: the rank's own rows
+        if q.shape[0] != rows:
+            raise ValueError(f"q must have the rank's C = {rows} rows (peer transport); got {q.shape[0]}")
+    elif q.shape[0] != geom.num_ranks * geom.rows:
         raise ValueError(f"q must have P * C = {geom.num_ranks * geom.rows} rows; got {q.shape[0]}")
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"q dtype must be bfloat16 or float16; got {q.dtype}")
@@ -619,13 +782,29 @@ def staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
 
 
 def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
-                   num_ctas: int, sim: dict | None = None, interpret: bool = False):
+                   num_ctas: int, sim: dict | None = None, interpret: bool = False,
+                   transport=None):
     """The staged forward on emulated ranks: the transfer launch (K and V), then one compute launch
     of static task lists (:func:`staged_tasks`) over the commit order and claims of a protocol
     run (``sim``: :func:`~liquidcp_jax.megaring.engine_protocol.simulate`'s result; default: a
     run without delays). No device counters: the persistent-kernel step of the ablation, and
     the mode the CPU interpreter runs. ``q, k, v [P * C, D]`` one head; returns ``(out, lse)``
-    as :func:`forward_launch` (rows of padding and of Q tiles without work left unwritten)."""
+    as :func:`forward_launch` (rows of padding and of Q tiles without work left unwritten).
+
+    ``transport``: a :class:`PeerTransport` of ``geom`` runs one rank per device inside
+    ``jax.shard_map`` over its ``axis_name``: ``q, k, v`` are the rank's ``[C, D]``, the result
+    its ``(out [C, D], lse [C])``; ``num_ctas`` CTAs per device run the rank's own task lists
+    (:func:`staged_tasks` of its claims). Order, no deadlock: the two peer transfer launches (K,
+    V) read peers only after Mosaic GPU's pre-launch device barrier and wait on nothing but their
+    own TMA; :func:`peer_fence` (a psum over the axis) then orders every rank's transfers before
+    any rank's compute launch and keeps this rank's K / V alive while peers may read them; the
+    compute launch reads only local memory (no cross-device wait anywhere, so nothing can
+    deadlock). GPU only (the interpreter cannot run ``remote_ref``)."""
+    if isinstance(transport, PeerTransport):
+        return _forward_staged_peer(q, k, v, tb, transport, scale=scale, num_ctas=num_ctas, sim=sim)
+    if transport is not None and not isinstance(transport, EmulatedTransport):
+        raise ValueError(f"transport must be None, EmulatedTransport or PeerTransport; got "
+                         f"{type(transport).__name__}")
     _check_forward_inputs(q, k, v, tb, geom)
     if sim is None:
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
@@ -644,4 +823,64 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), jnp.asarray(pad(task)),
                 jnp.asarray(task_off), jnp.asarray(smap), q, k, v, rk, rv)
+    return outs[0], outs[2]
+
+
+def peer_staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
+    """:func:`staged_tasks` per rank (host): rank ``d``'s claims on its own ``num_ctas`` CTAs.
+    Returns ``(task [n, 4] int32, task_off (P * num_ctas + 1,) int32)``: list ``d * num_ctas + c``
+    is CTA ``c`` of rank ``d``."""
+    claims = np.asarray(claims, np.int64).reshape(-1, 4)
+    owner = tb.seg[claims[:, 0], ep.SF["rank"]] if len(claims) else np.zeros(0, np.int64)
+    tasks, offs, base = [], [np.zeros(1, np.int64)], 0
+    for d in range(tb.num_ranks):
+        task, off = staged_tasks(tb, claims[owner == d], num_ctas)
+        tasks.append(task)
+        offs.append(off[1:].astype(np.int64) + base)
+        base += len(task)
+    return (np.concatenate(tasks).astype(np.int32).reshape(-1, 4),
+            np.concatenate(offs).astype(np.int32))
+
+
+def _forward_staged_peer(q, k, v, tb, tr: PeerTransport, *, scale, num_ctas, sim):
+    _check_forward_inputs(q, k, v, tb, tr.geom, rows=tr.geom.rows)
+    rk = transfer_launch(k, tb, tr.geom, transport=tr)
+    rv = transfer_launch(v, tb, tr.geom, transport=tr)
+    k, v, rk, rv = peer_fence(tr.axis_name, (rk, rv), k, v)
+    return peer_compute_launch(q, k, v, rk, rv, tb, tr, scale=scale, num_ctas=num_ctas, sim=sim)
+
+
+def peer_compute_launch(q, k, v, rk, rv, tb: ep.EngineTables, tr: PeerTransport, *,
+                        scale: float, num_ctas: int, sim: dict | None = None,
+                        interpret: bool = False, rank=None):
+    """The staged forward's compute launch for one rank of a real mesh (inside ``jax.shard_map``
+    over ``tr.axis_name``): ``q, k, v [C, D]`` the rank's own rows, ``rk, rv [max(R * B, B), D]``
+    its filled receive buffers (:func:`transfer_launch` with ``tr``, after :func:`peer_fence`).
+    Reads only local memory. ``rank``: default ``lax.axis_index(tr.axis_name)`` (XLA, outside the
+    kernel); an int runs rank ``rank``'s launch anywhere, e.g. in the Mosaic GPU interpreter
+    (``interpret=True``) on one device. Returns ``(out [C, D], lse [C] f32)`` (rows of padding
+    and of Q tiles without work left unwritten)."""
+    geom = tr.geom
+    _check_forward_inputs(q, k, v, tb, geom, rows=geom.rows)
+    want = (max(geom.recv_tiles * geom.tile_size, geom.tile_size), q.shape[1])
+    if rk.shape != want or rv.shape != want:
+        raise ValueError(f"rk, rv must be the rank's receive buffers {want}; got {rk.shape}, {rv.shape}")
+    if sim is None:
+        sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+    task, task_off = peer_staged_tasks(tb, sim["claims"], num_ctas)
+    t = forward_tables(tb, geom)
+    t["delay"] = np.zeros(1, np.int32)
+    smap = np.asarray(sim["map"], np.int64) + 1
+    smap = np.concatenate([smap, np.zeros(1, np.int64)]).astype(np.int32)
+    call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
+                          geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
+                          jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
+                          max(tb.map_size, 1), max(len(tb.seg), 1), staged=True,
+                          interpret=bool(interpret), peer_axis=tr.axis_name)
+    pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
+    if rank is None:
+        rank = lax.axis_index(tr.axis_name)
+    rank = jnp.full((1,), rank, jnp.int32)
+    outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), jnp.asarray(pad(task)),
+                jnp.asarray(task_off), jnp.asarray(smap), q, k, v, rk, rv, rank)
     return outs[0], outs[2]

@@ -43,6 +43,13 @@ D]`` (:func:`~megaring_engine.transfer_launch`'s output). Returns ``dq, dk, dv [
 Scratch of the reduction: ``n_ent * (B / 64) * B`` rows of f32 dQ slots and ``n_task * B`` rows
 each of dK / dV slots. The fused form (atomics, completion counters) is
 :mod:`megaring_engine_bwd_fused`.
+
+**Peer transport** (one rank per device under ``jax.shard_map``; ``backend="pallas_engine"``):
+the same compute launch per device on rank-local tables (:func:`peer_backward_tables`: local
+rows, the rank's pool metadata), its forward receive buffers as ``rk`` / ``rv``
+(:func:`peer_backward_rank`); the received tiles' dK / dV parts go back to their owners by one
+XLA ``ppermute`` per exchange step (:func:`peer_return`). No kernel waits on a peer; checked on
+the CPU (each rank in the interpreter, the return under a CPU shard_map), never run on GPUs.
 """
 from __future__ import annotations
 
@@ -361,3 +368,128 @@ def backward_staged(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeomet
     dk = seg(dkp, L["dkv_idx"]) * scale
     dv = seg(dvp, L["dkv_idx"])
     return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- peer transport
+
+def peer_backward_tables(tb: ep.EngineTables, tr, num_ctas: int) -> dict:
+    """Host: the staged backward's tables of every rank for one rank per device (NumPy, stacked
+    ``[P, ...]`` and padded to the largest rank, for ``shard_map`` over ``tr.axis_name``).
+
+    The kernel is :func:`backward_staged`'s, unchanged; only its rows become local: a rank's
+    K / V rows ``b * B`` and receive rows ``slot * B`` (``rk`` / ``rv`` its own receive buffers),
+    its entries' Q rows ``a * B``, and key / query metadata read from the rank's *pool*
+    metadata ``[C + Rb]`` (its own rows' sequence ids / positions, then its receive slots'
+    (the owners' rows); ``Rb = max(R, 1) * B``). Fields: ``task [P, T, KT]`` (column ``task``: the
+    rank-local dK / dV slot), ``task_off [P, num_ctas + 1]``, ``ent [P, E, 2]``, ``seq`` /
+    ``pos [P, C + Rb]``, ``dq_idx [P, E * (B / 64) * B]`` (local Q rows; padding ``C``: dropped)
+    and ``dkv_idx [P, T * B]`` (rows of the rank's ``[C + Rb]`` dK / dV: own tiles ``b * B + r``,
+    received tiles ``C + slot * B + r``; padding ``C + Rb``: dropped).
+    """
+    geom = tr.geom
+    bt = eb.build_backward_tables(tb)
+    if isinstance(num_ctas, bool) or int(num_ctas) != num_ctas or int(num_ctas) < 1:
+        raise ValueError(f"num_ctas must be an int >= 1; got {num_ctas!r}")
+    P, B, C, nh = geom.num_ranks, geom.tile_size, geom.rows, geom.tile_size // _H
+    Rb = max(geom.recv_tiles, 1) * B
+    kf = eb.KF
+    seq, pos = tb.tok_seq.reshape(P, C), tb.tok_pos.reshape(P, C)
+    per = []
+    for d in range(P):
+        rows, ents = [], []
+        meta = np.full((2, C + Rb), -1, np.int64)
+        meta[:, :C] = seq[d], pos[d]
+        for r in bt.task[bt.task_off[d]:bt.task_off[d + 1]].tolist():
+            rem, s, o, b = (r[kf[f]] for f in ("remote", "slot", "owner", "owner_tile"))
+            e0, ne = r[kf["ent_start"]], r[kf["ent_count"]]
+            kv, mrow = (s * B, C + s * B) if rem else (b * B, b * B)
+            if rem:   # the slot's keys are the owner's tile
+                meta[:, C + s * B:C + (s + 1) * B] = seq[o, b * B:(b + 1) * B], pos[o, b * B:(b + 1) * B]
+            rows.append((rem, kv, mrow, len(ents), ne, len(rows), (C + s * B) if rem else b * B))
+            ents.extend(bt.ent[e0:e0 + ne].tolist())
+        load = np.zeros(int(num_ctas))
+        lists = [[] for _ in range(int(num_ctas))]
+        for row in sorted(rows, key=lambda x: -x[4]):     # longest first to the least-loaded CTA
+            cta = int(np.argmin(load))
+            lists[cta].append(row)
+            load[cta] += 1 + row[4] * nh
+        per.append((lists, ents, meta, rows))
+    T = max(max(len(x[3]) for x in per), 1)
+    E = max(max(len(x[1]) for x in per), 1)
+    out = {"task": np.zeros((P, T, len(KT)), np.int32), "task_off": np.zeros((P, num_ctas + 1), np.int32),
+           "ent": np.zeros((P, E, 2), np.int32), "seq": np.zeros((P, C + Rb), np.int32),
+           "pos": np.zeros((P, C + Rb), np.int32), "dq_idx": np.full((P, E * nh * B), C, np.int32),
+           "dkv_idx": np.full((P, T * B), C + Rb, np.int32)}
+    r_ = np.arange(B)
+    for d, (lists, ents, meta, rows) in enumerate(per):
+        flat = [x[:len(KT)] for lst in lists for x in lst]
+        if flat:
+            out["task"][d, :len(flat)] = flat
+        out["task_off"][d] = np.concatenate([[0], np.cumsum([len(x) for x in lists])])
+        if ents:
+            ent = np.asarray(ents, np.int64)
+            out["ent"][d, :len(ent)] = np.stack([ent[:, 0] * B, ent[:, 1]], 1)
+            out["dq_idx"][d, :len(ent) * nh * B] = (np.repeat(ent[:, 0] * B, nh)[:, None]
+                                                    + r_[None, :]).reshape(-1)
+        for row in rows:   # the task's dK / dV slot rows -> the rank's [C + Rb] rows
+            out["dkv_idx"][d, row[5] * B:(row[5] + 1) * B] = row[6] + r_
+        out["seq"][d], out["pos"][d] = meta
+    return out
+
+
+def peer_backward_rank(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineTables, tr, *,
+                       scale: float, num_ctas: int, interpret: bool = False):
+    """One rank's part of the staged backward (no communication): ``q, k, v, out, do [C, D]``,
+    ``lse [C]`` f32, ``rk, rv [Rb, D]`` the rank's forward receive buffers, ``tabs`` the rank's
+    slices of :func:`peer_backward_tables` (``[0]`` of each stacked field). Runs the staged
+    compute launch on local rows (in the interpreter too, one rank at a time), then XLA segment
+    sums. Returns ``dq [C, D]`` (``q.dtype``) and f32 ``dk, dv [C + Rb, D]``: rows ``< C`` the
+    rank's own tiles, rows ``C + slot * B ..`` the received tiles' parts that
+    :func:`peer_return` sends back to their owners."""
+    geom = tr.geom
+    C, B = geom.rows, geom.tile_size
+    Rb = max(geom.recv_tiles, 1) * B
+    if not (q.ndim == 2 and q.shape[0] == C and all(x.shape == q.shape for x in (k, v, out, do))):
+        raise ValueError(f"q, k, v, out, do must be the rank's [C = {C}, D]; got {q.shape}, "
+                         f"{k.shape}, {v.shape}, {out.shape}, {do.shape}")
+    if rk.shape != (Rb, q.shape[1]) or rv.shape != rk.shape:
+        raise ValueError(f"rk, rv must be the rank's receive buffers {(Rb, q.shape[1])}; got "
+                         f"{rk.shape}, {rv.shape}")
+    tabs = {name: jnp.asarray(x) for name, x in tabs.items()}
+    valid = tabs["seq"][:C] >= 0
+    f32 = lambda x: jnp.where(valid[:, None], x.astype(jnp.float32), 0.0)  # noqa: E731
+    do_ = f32(do)
+    delta = jnp.sum(do_ * f32(out), axis=1)
+    lse2 = jnp.where(valid & jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, 0.0)
+    n_ent, n_task = tabs["ent"].shape[0], tabs["task"].shape[0]
+    call = _build_backward(int(num_ctas), B, int(q.shape[1]), jnp.dtype(q.dtype).name, n_ent,
+                           n_task, bool(tb.causal), float(scale), bool(interpret))
+    dqp, dkp, dvp = call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["seq"], tabs["pos"],
+                         q, k, v, do_.astype(q.dtype), lse2, delta, rk, rv)
+    seg = lambda x, idx, n: jax.ops.segment_sum(x[:idx.shape[0]], idx, n)  # noqa: E731
+    dq = seg(dqp, tabs["dq_idx"], C) * scale
+    dk = seg(dkp, tabs["dkv_idx"], C + Rb) * scale
+    dv = seg(dvp, tabs["dkv_idx"], C + Rb)
+    return dq.astype(q.dtype), dk, dv
+
+
+def peer_return(dx, tr):
+    """Inside ``shard_map`` over ``tr.axis_name``: a rank's f32 ``[C + Rb, D]`` dK or dV
+    (:func:`peer_backward_rank`) -> its own tiles' ``[C, D]``. At exchange step ``t`` the rank
+    got tiles ``0 .. send_tiles[t-1] - 1`` of owner ``rank ^ t`` into slots ``step_base[t] ..``
+    (:class:`RingGeometry`), so the parts of those slots go back by one ``ppermute`` (rank ``d``
+    -> ``d ^ t``, an involution) and add into the owner's rows ``0 .. send_tiles[t-1] * B``.
+    XLA collectives only: nothing in a kernel waits on a peer."""
+    geom = tr.geom
+    C, B = geom.rows, geom.tile_size
+    own = dx[:C]
+    base = geom.step_base
+    for t in range(1, geom.steps):
+        n = geom.send_tiles[t - 1] * B
+        if n == 0:
+            continue
+        part = dx[C + int(base[t]) * B:C + int(base[t]) * B + n]
+        back = lax.ppermute(part, tr.axis_name, [(d, d ^ t) for d in range(geom.num_ranks)])
+        # pad + add, not .at[:n].add: with n == C that scatter segfaults XLA:CPU (jax 0.11.2)
+        own = own + jnp.pad(back, ((0, C - n), (0, 0)))
+    return own
