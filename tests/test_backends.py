@@ -100,7 +100,8 @@ def test_megadcp_rules(rng, monkeypatch):
     mesh = jax.make_mesh((2,), ("dcp",), devices=jax.devices()[:2])
     plan = lcp.plan_megadcp([40, 3], [4, 1], mesh, num_q_heads=4, tile=16, rows_per_tile=16)
     call = megadcp.ops.MegaDcpCall(*(np.zeros(1) for _ in range(5)), plan, None, "auto")
-    assert megadcp.BACKENDS.select("auto", call)[0].name == "xla"
+    auto = megadcp.ops.auto_backends
+    assert megadcp.BACKENDS.select("auto", call, auto=auto(plan))[0].name == "xla"
     assert megadcp.BACKENDS.select("xla", call)[0].name == "xla"
     with pytest.raises(ValueError, match='backend="pallas" cannot run here: the engine needs q'):
         megadcp.BACKENDS.select("pallas", call)
@@ -119,10 +120,16 @@ def test_megadcp_rules(rng, monkeypatch):
     eplan = lcp.plan_megadcp([40, 3], [4, 1], mesh, num_q_heads=4, engine=True,
                              engine_config=eng.EngineConfig(num_ctas=4))
     ecall = call._replace(plan=eplan)
-    # "auto" tries the engine only once ENGINE_IN_AUTO is on (after its GPU tests pass)
-    want = "pallas" if megadcp.ops.ENGINE_IN_AUTO else "xla"
-    assert megadcp.BACKENDS.select("auto", ecall)[0].name == want
+    # "auto" tries the engine for P = 1 only (the whole step ran on the H200); this plan has P = 2
+    assert auto(eplan) == ("xla",)
+    assert megadcp.BACKENDS.select("auto", ecall, auto=auto(eplan))[0].name == "xla"
     assert megadcp.BACKENDS.select("auto", ecall, auto=("pallas", "xla"))[0].name == "pallas"
+    mesh1 = jax.make_mesh((1,), ("dcp",), devices=jax.devices()[:1])
+    plan1 = lcp.plan_megadcp([40, 3], [4, 1], mesh1, num_q_heads=4, engine=True,
+                             engine_config=eng.EngineConfig(num_ctas=4))
+    assert auto(plan1) == (("pallas", "xla") if megadcp.ops.ENGINE_IN_AUTO else ("xla",))
+    assert megadcp.BACKENDS.select("auto", call._replace(plan=plan1),
+                                   auto=auto(plan1))[0].name == auto(plan1)[0]
     assert megadcp.BACKENDS.select("pallas", ecall)[0].name == "pallas"
     with pytest.raises(ValueError, match="backend must be one of"):
         megadcp.BACKENDS.select("cuda", call)

@@ -150,8 +150,8 @@ def megadcp_attention(q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, sca
         (Hopper, bf16 / f16, head dim 64 or 128, one KV head, a plan with engine tables: with
         ``P = 1`` the whole step is one kernel launch; with ``P > 1`` the query all-gather and the
         result all-to-all stay XLA collectives around the engine's launch); ``"xla"``, the
-        portable executor (any ``Hkv``). ``"auto"`` runs XLA (the engine joins it once it has
-        passed its GPU tests: ``ENGINE_IN_AUTO``).
+        portable executor (any ``Hkv``). ``"auto"``: the engine where it can run and ``P = 1``
+        (:func:`auto_backends`), else XLA.
         A named backend that cannot run raises ``ValueError`` saying why.
       history_layout: ``"sharded"`` (laid out by ``plan.shard_history``), ``"packed"`` or
         ``"auto"`` (by row count; ambiguous, hence an error, when ``sum(history_lengths)`` equals
@@ -160,7 +160,7 @@ def megadcp_attention(q, k_new, v_new, k_hist, v_hist, plan: MegaDcpPlan, *, sca
       ``[Tq, Hq, D]`` in ``q.dtype``.
     """
     call = MegaDcpCall(q, k_new, v_new, k_hist, v_hist, plan, scale, history_layout)
-    return BACKENDS.select(backend, call)[0].run(call)
+    return BACKENDS.select(backend, call, auto=auto_backends(plan))[0].run(call)
 
 
 class MegaDcpCall(NamedTuple):
@@ -197,12 +197,21 @@ def _engine_unsupported(c: MegaDcpCall) -> str | None:
     return engine_op.unsupported_reason(c.q.dtype, c.q.shape[-1], c.plan.engine)
 
 
-#: Whether ``"auto"`` tries the GPU engine first: not until it has passed its GPU tests on an
-#: H200 (docs/decisions.md, "MegaDCP's auto backend"); ``backend="pallas"`` runs it meanwhile.
-ENGINE_IN_AUTO = False
+#: Whether ``"auto"`` tries the GPU engine first for single-device DCP groups (``P = 1``: the
+#: whole step in one launch, as run on the H200 against float64); ``P > 1`` (the engine between
+#: XLA collectives) has not run on several GPUs, so ``"auto"`` keeps XLA there
+#: (docs/decisions.md, "MegaDCP's auto backend"); ``backend="pallas"`` runs it on request.
+ENGINE_IN_AUTO = True
 
-#: MegaDCP's backends, ``"auto"`` trying them in order (the GPU engine once enabled, then XLA).
+
+def auto_backends(plan) -> tuple[str, ...]:
+    """The backends ``"auto"`` tries for ``plan``, in order."""
+    dcp = plan.static.shape.dcp if isinstance(plan, MegaDcpPlan) else None  # else: XLA says why
+    return ("pallas", "xla") if ENGINE_IN_AUTO and dcp == 1 else ("xla",)
+
+
+#: MegaDCP's backends; ``"auto"`` tries :func:`auto_backends` of the call's plan.
 BACKENDS = Registry("megadcp_attention", [
     Backend("xla", _run_xla),
     Backend("pallas", _run_engine, _engine_unsupported),
-], auto=("pallas", "xla") if ENGINE_IN_AUTO else ("xla",))
+], auto=("pallas", "xla"))

@@ -209,8 +209,8 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       memory_budget: bytes of attention temporaries the XLA executor may hold for one block of
         (task, KV tile) pairs; blocks run in a scan, so memory stays bounded for any batch.
       engine: also pack the GPU engine's per-rank tables (``backend="pallas"``; one KV head);
-        default: when ``"auto"`` would run the engine (``megadcp.ops.ENGINE_IN_AUTO``, a Hopper GPU
-        first, ``num_kv_heads == 1``); ``engine=True`` for ``backend="pallas"``. engine_config: its
+        default: when ``"auto"`` would run the engine (``megadcp.ops.ENGINE_IN_AUTO``, a Hopper GPU,
+        ``P = 1``, ``num_kv_heads == 1``); ``engine=True`` for ``backend="pallas"``. engine_config: its
         ``pallas.megadcp_engine.EngineConfig`` (grid size, fused or staged).
     Returns:
       :class:`MegaDcpPlan`.
@@ -249,7 +249,7 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
         fits = f"the GPU engine runs one KV head per DCP group; num_kv_heads={num_kv_heads}"
     if engine is None:   # pack when "auto" would run the engine: on a Hopper GPU, once enabled
         from liquidcp_jax.megadcp import ops as dcp_ops
-        engine = (dcp_ops.ENGINE_IN_AUTO and fits is None and
+        engine = (dcp_ops.ENGINE_IN_AUTO and Pn == 1 and fits is None and
                   engine_op.unsupported_reason(jnp.bfloat16, 128, None) == engine_op.NO_TABLES)
     elif engine and fits is not None:
         raise ValueError(f"engine=True: {fits}")
