@@ -160,6 +160,13 @@ def test_state_bad_arguments():
         call((out, lse[:, :1]))
     with pytest.raises(ValueError, match="state: lse_prev.dtype must be float32"):
         call((out, lse.astype(jnp.bfloat16)))
+    # An f32 state at head_dim 128 does not fit SMEM beside a 2 x 128-key ring (Mosaic: 232,552
+    # bytes > 232,448); config=None falls back to block_kv=64, an explicit config is refused.
+    q, k = jnp.zeros((TQ, 2, 128), jnp.bfloat16), jnp.zeros((TK, 1, 128), jnp.bfloat16)
+    st = (jnp.zeros((TQ, 2, 128), jnp.float32), lse)
+    with pytest.raises(ValueError, match="with a 4-byte state"):
+        api.segment_attention(q, k, k, seg, causal=True, sm_scale=0.1, state=st,
+                              config=api.TuningConfig(block_kv=128))
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -173,5 +180,6 @@ def test_state_chain_gpu(rng, persistent):
     ok, why = api.is_supported(jnp.bfloat16, 128)
     if not ok:
         pytest.skip(why)
-    _check_chain(rng, jnp.bfloat16, 8, 2, 128, api.TuningConfig(persistent=persistent),
-                 interpret=False, tol=2e-2)
+    # block_kv=64: an f32 state at head_dim 128 leaves no SMEM for 128-key tiles.
+    _check_chain(rng, jnp.bfloat16, 8, 2, 128,
+                 api.TuningConfig(persistent=persistent, block_kv=64), interpret=False, tol=2e-2)

@@ -25,7 +25,7 @@ from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
 from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
 from liquidcp_jax.pallas import tile_attention_fwd as fwd_lib
-from liquidcp_jax.pallas.common import LOG2E, TASK_ROWS
+from liquidcp_jax.pallas.common import LOG2E, SMEM_LIMIT, TASK_ROWS
 from liquidcp_jax.reference.xla_twins import xla_segment_attention_bwd
 from liquidcp_jax.validation import check_scale, check_segments
 
@@ -258,14 +258,20 @@ def segment_attention(q, k, v, segments, *, causal: bool, sm_scale: float,
   row, copying such rows through (the wrapper then needs no pass over out). Carry float32
   (start the chain from :func:`liquidcp_jax.state.empty`): a q.dtype state rounds the running
   output to 8 or 11 bits at every step. Costs: the state's loads and an f32 output store per
-  step, and with an f32 state at head_dim 128 the kernel's SMEM is ~1 KiB under the limit."""
+  step; an f32 state at head_dim 128 does not fit SMEM beside a 2-slot ring of 128 keys, so
+  ``config=None`` then means ``TuningConfig(block_kv=64)`` (an explicit config that does not fit
+  raises a ValueError)."""
+  user_config = config
   config = TuningConfig() if config is None else config
   seg = tables_lib.as_segments(segments)
   _check(q, k, v, config)
   if state is not None:
     state = _check_state(state, q)
-    fwd_lib.check_smem(config, q.shape[2], jnp.dtype(q.dtype).itemsize,
-                       jnp.dtype(state[0].dtype).itemsize)
+    sizes = (q.shape[2], jnp.dtype(q.dtype).itemsize, jnp.dtype(state[0].dtype).itemsize)
+    if user_config is None and fwd_lib.smem_bytes(config, *sizes) > SMEM_LIMIT:
+      # The f32 output staging (64 KiB at head_dim 128) leaves no room for 2 x 128-key tiles.
+      config = TuningConfig(block_kv=64)
+    fwd_lib.check_smem(config, *sizes)
   sm_scale = check_scale(sm_scale, q.shape[2], name="sm_scale")
   check_segments(segments, q.shape[0], k.shape[0], _SEGMENT_NAMES)
   return _forward(q, k, v, seg, bool(causal), sm_scale, config, bool(interpret), state)

@@ -78,12 +78,14 @@ def smem_bytes(config: TuningConfig, head_dim: int, itemsize: int = 2,
   staging (64 rows per compute warpgroup; ``out_itemsize`` bytes per element, default
   ``itemsize``: 4 with an f32 carried state), the K and V rings, the LSE staging. Not exact
   (Mosaic counted 1,152 bytes more at ``max_concurrent_steps=3``, head_dim 128); the accepted
-  configs without a state stay more than 30 KiB under the limit, with an f32 state at head_dim
-  128 only ~1 KiB (2-slot ring of 128 keys)."""
+  configs without a state stay more than 30 KiB under the limit. With a wider state the estimate
+  adds 1,152 bytes: Mosaic counted 232,552 bytes where it gave 231,424 (head_dim 128, f32 state,
+  a 2-slot ring of 128 keys: over the limit, so that case needs ``block_kv=64``)."""
   rows = lambda n, size=itemsize: aligned(n * head_dim * size)
   mcs = config.max_concurrent_steps
+  wide = (out_itemsize or itemsize) != itemsize
   return (rows(TASK_ROWS) + rows(TASK_ROWS, out_itemsize or itemsize)
-          + 2 * rows(mcs * config.block_kv) + aligned(TASK_ROWS * 4) + 1024)
+          + 2 * rows(mcs * config.block_kv) + aligned(TASK_ROWS * 4) + 1024 + 1152 * wide)
 
 
 def check_smem(config: TuningConfig, head_dim: int, itemsize: int = 2,
