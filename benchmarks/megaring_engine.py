@@ -7,6 +7,10 @@ head and pass, back to back in one jitted function) by each step of the ablation
   ==============  =====================================================================
   segment_ring    per-step kernels with the merge in XLA (today's ``segment_ring``): each
                   rank's ring steps run alone on the whole GPU; the slowest rank counts
+  fused_merge     the same per-step kernels, each merging its result into the running f32
+                  (out, lse) state inside the kernel (``segment_attention(..., state=)``): no
+                  XLA merge pass; timed as ``segment_ring``. Forward only: its backward is the
+                  segment ring's (the merge has none), so the row says ``"fb": "not built"``
   staged          persistent: the transfer launch, then one compute launch of static task
                   lists (a protocol run's claims), all ranks in one launch
   fused_tau1      one fused launch, device-side commit counters and claims, one KV tile per
@@ -14,14 +18,13 @@ head and pass, back to back in one jitted function) by each step of the ablation
   fused           the fused launch with readiness-driven coalescing (the plan's ``tau_max``)
   ==============  =====================================================================
 
-The paper's middle step, per-step kernels with a fused merge, is not built (the segment ring's
-merge is XLA's). Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
+Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
 (``varlen_attention``, every sequence local) over ``P`` times the slowest rank (segment ring) or
 over the launch time (the engine steps: all ``P`` ranks share the GPU in one launch, each with
 ``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU).
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
-        [--steps segment_ring,staged,fused_tau1,fused] [--reps 10] [--budget-s S] [--out PATH]
+        [--steps segment_ring,fused_merge,staged,fused_tau1,fused] [--reps 10] [--budget-s S] [--out PATH]
     python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens
 
 On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
@@ -36,7 +39,7 @@ import numpy as np
 from benchmarks import attention as A
 from benchmarks import harness as H
 
-STEPS = ("segment_ring", "staged", "fused_tau1", "fused")
+STEPS = ("segment_ring", "fused_merge", "staged", "fused_tau1", "fused")
 
 
 def cases(spec: str) -> list[H.Case]:
@@ -115,7 +118,7 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     from liquidcp_jax.megaring.ring_segments import build_ring_segments, step_key_rows
     from liquidcp_jax.pallas import api
     from liquidcp_jax.pallas.tables import Segments
-    from benchmarks.segment_ring_compute import make_fns
+    from benchmarks.segment_ring_compute import make_fns, make_fused_merge_fwd
 
     lengths = A.batch_lengths(case["dataset"], case["tokens"])
     P, B, Hh, D = case["ranks"], a.tile, a.heads, a.head_dim
@@ -158,7 +161,7 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     for step in a.steps:
         row = {**base, "step": step}
         try:
-            if step == "segment_ring":
+            if step in ("segment_ring", "fused_merge"):
                 if a.interpret:
                     raise RuntimeError("the segment ring's Pallas kernels need a GPU (no --interpret)")
                 S = int(lay.sizes.max())
@@ -166,7 +169,11 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                 rs = build_ring_segments(lay, S, causal=True)
                 C = qc.shape[1] // P
                 fwd, fwdbwd = make_fns(rs.q_start.shape[1])
-                per, per_fb = [], []
+                merged = step == "fused_merge"
+                if merged:  # the merge in the kernels; no backward of its own
+                    fwd, fwdbwd = make_fused_merge_fwd(rs.q_start.shape[1]), None
+                    row["fb"] = "not built"
+                per, per_fb, outs = [], [], []
                 t3 = lambda t: jnp.transpose(t, (1, 0, 2))  # noqa: E731
                 for d in range(P):
                     keys = [jnp.asarray(step_key_rows(P, C, B, send, d, t)) for t in range(S)]
@@ -175,10 +182,16 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     segs = tuple(Segments(*(jnp.asarray(arr[d, t]) for arr in rs[:6]),
                                           jnp.int32(rs.count[d, t])) for t in range(S))
                     qd = t3(qc)[d * C:(d + 1) * C]
+                    if ref is not None:
+                        outs.append(np.asarray(fwd(qd, ks, vs, segs)[0].astype(jnp.float32)))
                     per.append(H.time_fn(fwd, qd, ks, vs, segs, reps=a.reps).median_ms)
-                    if a.bwd:
+                    if a.bwd and fwdbwd is not None:
                         per_fb.append(H.time_fn(fwdbwd, qd, ks, vs, t3(doc)[d * C:(d + 1) * C],
                                                 segs, reps=a.reps).median_ms)
+                if outs:  # [P*C, H, D] in the CP layout, vs float64 per head
+                    got = np.concatenate(outs).astype(np.float64)[ok].transpose(1, 0, 2)
+                    want = np.stack([r[0][ok] for r in ref])
+                    row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
                 ms = max(per)
                 row.update(ms=round(ms, 4), ms_per_rank=[round(p, 4) for p in per])
                 if one_ms is not None:

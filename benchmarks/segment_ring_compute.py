@@ -58,6 +58,20 @@ def make_fns(n_steps):
     return jax.jit(fwd), jax.jit(fwdbwd)
 
 
+def make_fused_merge_fwd(n_steps):
+    """The forward of :func:`make_fns` with the merge in the kernels (the MegaRing ablation's
+    "fused merge" step): each step's segment kernel starts from the running float32 state
+    (``segment_attention(..., state=)``), so no XLA merge pass runs between the steps."""
+    def fwd(q, ks, vs, segs):
+        st = state_lib.empty(q.shape[:2], q.shape[2])
+        for t in range(n_steps):
+            st = api.segment_attention(q, ks[t], vs[t], segs[t], causal=True, sm_scale=SCALE,
+                                       state=st)
+        return st[0].astype(q.dtype), st[1]
+
+    return jax.jit(fwd)
+
+
 def bench(ds, tokens, n_dev, reps, B=128):
     lens = A.batch_lengths(ds, tokens)
     pl = placement_lib.buddyring(lens, num_devices=n_dev)

@@ -25,7 +25,7 @@ from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas import tile_attention_bwd as bwd_lib
 from liquidcp_jax.pallas import tile_attention_bwd_fused as fused_lib
 from liquidcp_jax.pallas import tile_attention_fwd as fwd_lib
-from liquidcp_jax.pallas.common import LOG2E, TASK_ROWS
+from liquidcp_jax.pallas.common import LOG2E, SMEM_LIMIT, TASK_ROWS
 from liquidcp_jax.reference.xla_twins import xla_segment_attention_bwd
 from liquidcp_jax.validation import check_scale, check_segments
 
@@ -81,13 +81,31 @@ def _check(q, k, v, config):
   fwd_lib.check_smem(config, q.shape[2], jnp.dtype(q.dtype).itemsize)
 
 
-def _forward(q, k, v, seg, causal, sm_scale, config, interpret):
+def _forward(q, k, v, seg, causal, sm_scale, config, interpret, state=None):
   """The forward kernel with bad data contained (:func:`bad_data.forward`)."""
-  run = lambda q, k, v: _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret)
-  return bad_data.forward(run, q, k, v, seg, causal)
+  run = lambda q, k, v: _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret, state)
+  return bad_data.forward(run, q, k, v, seg, causal, carried=state is not None)
 
 
-def _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret):
+def _check_state(state, q):
+  """``state`` as ``(out_prev, lse_prev)`` arrays, or a ValueError naming what is wrong."""
+  if not (isinstance(state, (tuple, list)) and len(state) == 2):
+    raise ValueError(f"state must be None or a pair (out_prev, lse_prev), got "
+                     f"{type(state).__name__}")
+  out_prev, lse_prev = (jnp.asarray(x) for x in state)
+  if out_prev.shape != q.shape:
+    raise ValueError(f"state: out_prev.shape {out_prev.shape} must equal q.shape {q.shape}")
+  if out_prev.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(q.dtype)):
+    raise ValueError(f"state: out_prev.dtype must be float32 or q.dtype {q.dtype}, got "
+                     f"{out_prev.dtype}")
+  if lse_prev.shape != q.shape[:2]:
+    raise ValueError(f"state: lse_prev.shape {lse_prev.shape} must be [Tq, Hq] = {q.shape[:2]}")
+  if lse_prev.dtype != jnp.float32:
+    raise ValueError(f"state: lse_prev.dtype must be float32, got {lse_prev.dtype}")
+  return out_prev, lse_prev
+
+
+def _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret, state=None):
   tq0, hq, d = q.shape
   tr, bkv = TASK_ROWS, config.block_kv
   tk0 = k.shape[0]
@@ -104,8 +122,14 @@ def _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret):
   if config.use_persistent(tq0, seg.q_start.shape[0]):
     from liquidcp_jax.pallas import tile_attention_fwd_persistent as pers_lib
     kernel = pers_lib.tile_attention_fwd_persistent
+  if state is not None:
+    # Padded like q (pad rows start empty); the kernel reads LSE rows of one head contiguously.
+    out_prev, lse_prev = state
+    if tqp != tq0:
+      out_prev = jnp.pad(out_prev, ((0, tqp - tq0), (0, 0), (0, 0)))
+    state = (out_prev, jnp.pad(lse_prev.T, ((0, 0), (0, tqp - tq0)), constant_values=-jnp.inf))
   out, lse_pad = kernel(qp, kp, vp, tt.table, tt.capacity, causal=causal, sm_scale=sm_scale,
-                        config=config, interpret=interpret)
+                        config=config, interpret=interpret, state=state)
   lse = lse_pad[:, tt.row_task * tr + tt.row_off].T
   return out[:tq0], lse[:tq0]
 
@@ -216,20 +240,41 @@ def _backward_kernels(q, k, v, do, delta, lse, seg, causal, sm_scale, config, in
 
 
 def segment_attention(q, k, v, segments, *, causal: bool, sm_scale: float,
-                      config: TuningConfig | None = None, interpret: bool = False):
+                      config: TuningConfig | None = None, interpret: bool = False, state=None):
   """Forward of segment attention (with token positions) on the Mosaic GPU kernel; not
   differentiable by itself: :func:`segment_attention_bwd` is its backward, given the final
   out / LSE (the ring executor owns the custom VJP).
 
   q: [Tq, Hq, D] bf16/f16; k, v: [Tk, Hkv, D]; segments: :class:`tables.Segments`. Returns
   (out [Tq, Hq, D] q.dtype, lse [Tq, Hq] float32 natural log); rows in no segment, or whose keys
-  are all masked, get out = 0, lse = -inf."""
+  are all masked, get out = 0, lse = -inf.
+
+  ``state``: None, or the running state of earlier ring steps ``(out_prev [Tq, Hq, D] float32 or
+  q.dtype, lse_prev [Tq, Hq] float32 natural log)`` (a row with ``lse_prev = -inf`` is empty: its
+  ``out_prev`` is ignored). The kernel starts each row's online softmax from it, so the result
+  is the merge (paper Eq. 1, :func:`liquidcp_jax.state.merge`) of the state and this call's keys,
+  with no XLA merge pass; out then has out_prev's dtype. Rows that see none of this call's keys
+  (in no segment, or all keys masked) get the state back bit for bit: the kernel writes every
+  row, copying such rows through (the wrapper then needs no pass over out). Carry float32
+  (start the chain from :func:`liquidcp_jax.state.empty`): a q.dtype state rounds the running
+  output to 8 or 11 bits at every step. Costs: the state's loads and an f32 output store per
+  step; an f32 state at head_dim 128 does not fit SMEM beside a 2-slot ring of 128 keys, so
+  ``config=None`` then means ``TuningConfig(block_kv=64)`` (an explicit config that does not fit
+  raises a ValueError)."""
+  user_config = config
   config = TuningConfig() if config is None else config
   seg = tables_lib.as_segments(segments)
   _check(q, k, v, config)
+  if state is not None:
+    state = _check_state(state, q)
+    sizes = (q.shape[2], jnp.dtype(q.dtype).itemsize, jnp.dtype(state[0].dtype).itemsize)
+    if user_config is None and fwd_lib.smem_bytes(config, *sizes) > SMEM_LIMIT:
+      # The f32 output staging (64 KiB at head_dim 128) leaves no room for 2 x 128-key tiles.
+      config = TuningConfig(block_kv=64)
+    fwd_lib.check_smem(config, *sizes)
   sm_scale = check_scale(sm_scale, q.shape[2], name="sm_scale")
   check_segments(segments, q.shape[0], k.shape[0], _SEGMENT_NAMES)
-  return _forward(q, k, v, seg, bool(causal), sm_scale, config, bool(interpret))
+  return _forward(q, k, v, seg, bool(causal), sm_scale, config, bool(interpret), state)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))

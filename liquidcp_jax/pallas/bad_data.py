@@ -17,6 +17,10 @@ mark the dependent rows from the segment table, in O(rows * heads) work:
   except for a ``-inf`` score next to finite ones (a bad key), which the key flags catch; bad
   values are caught by the value flags. Rows are marked NaN under one ``lax.cond`` (``out`` is
   rewritten only when some row is bad).
+* Forward with a carried state (``segment_attention(..., state=)``): the kernel's LSE of a row
+  is the merged one, so a bad query whose scores are all ``-inf`` leaves the state's LSE, not
+  ``-inf``; such rows are found from the query flags instead (one pass over ``Q``). A bad state
+  row (NaN ``out_prev`` / ``lse_prev``) stays NaN through the kernel's own arithmetic.
 * Backward: when every input is finite (``Q``, ``K``, ``V``; ``dO`` and ``out`` through
   ``delta = rowsum(dO * out)``; ``lse``) the kernels run as before. Otherwise (a ``lax.cond``)
   they run on cleaned inputs and the dependent entries are marked NaN: ``dq`` on bad rows,
@@ -97,9 +101,10 @@ def _per_kv_head(flags, rep: int):
   return jnp.any(flags.reshape(flags.shape[0], -1, rep), axis=-1)
 
 
-def forward(run, q, k, v, seg, causal: bool):
+def forward(run, q, k, v, seg, causal: bool, carried: bool = False):
   """``run(q, k, v) -> (out, lse)`` (a forward kernel call) with bad data contained: the kernel
-  sees values with non-finite entries zeroed, and rows that depend on a bad input are NaN."""
+  sees values with non-finite entries zeroed, and rows that depend on a bad input are NaN.
+  ``carried``: the kernel merges into a carried state (bad queries are then flagged directly)."""
   tq, hq, _ = q.shape
   rep = hq // k.shape[1]
   vc, vbad = clean(v)
@@ -110,6 +115,8 @@ def forward(run, q, k, v, seg, causal: bool):
   # A bad query or key leaves NaN or -inf (with keys in view) in the kernel's LSE.
   sbad = (jnp.isnan(lse) | (lse == jnp.inf) | ((lse == -jnp.inf) & has)
           | _per_q_head(any_in_ranges(kbad, lo, hi), rep))
+  if carried:
+    sbad = sbad | (~jnp.all(jnp.isfinite(q), axis=-1) & has)
   rbad = sbad | _per_q_head(any_in_ranges(vbad, lo, hi), rep)
 
   def mark(out, lse):

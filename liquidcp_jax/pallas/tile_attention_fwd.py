@@ -11,6 +11,12 @@ Masking comes from the table (see :class:`tables.TaskTable`): tiles ``[full_lo, 
 the unmasked body, the others apply the segment-boundary and causal rule. Outputs are stored
 row-exactly into ``out`` with a ladder of power-of-two TMA stores (so neighbouring segments'
 rows are never touched), and LSE (natural log) goes to per-task slots gathered by the caller.
+
+With a carried ``state`` (the running (out, LSE) of earlier ring steps), each warpgroup starts its
+online softmax from that state instead of empty (``m = lse_prev``, ``l = 1``, ``acc = out_prev``),
+so its output is the merge (paper Eq. 1) of the state and this call's keys: a ring step's merge
+runs in the kernel (:func:`state_init`, :func:`state_lse`). Every row of a task's range is written,
+so rows that see none of this call's keys are copied through unchanged.
 """
 from __future__ import annotations
 
@@ -66,25 +72,34 @@ class TuningConfig:
     return heuristics.persistent_forward(num_q_rows, segment_slots)
 
 
-def smem_bytes(config: TuningConfig, head_dim: int, itemsize: int = 2) -> int:
+def smem_bytes(config: TuningConfig, head_dim: int, itemsize: int = 2,
+               out_itemsize: int | None = None) -> int:
   """Estimate of either forward kernel's SMEM on the GPU, barriers included: Q and the output
-  staging (64 rows per compute warpgroup), the K and V rings, the LSE staging. Not exact
+  staging (64 rows per compute warpgroup; ``out_itemsize`` bytes per element, default
+  ``itemsize``: 4 with an f32 carried state), the K and V rings, the LSE staging. Not exact
   (Mosaic counted 1,152 bytes more at ``max_concurrent_steps=3``, head_dim 128); the accepted
-  configs stay more than 30 KiB under the limit."""
-  rows = lambda n: aligned(n * head_dim * itemsize)
+  configs without a state stay more than 30 KiB under the limit. With a wider state the estimate
+  adds 1,152 bytes: Mosaic counted 232,552 bytes where it gave 231,424 (head_dim 128, f32 state,
+  a 2-slot ring of 128 keys: over the limit, so that case needs ``block_kv=64``)."""
+  rows = lambda n, size=itemsize: aligned(n * head_dim * size)
   mcs = config.max_concurrent_steps
-  return (2 * rows(TASK_ROWS) + 2 * rows(mcs * config.block_kv) + aligned(TASK_ROWS * 4) + 1024)
+  wide = (out_itemsize or itemsize) != itemsize
+  return (rows(TASK_ROWS) + rows(TASK_ROWS, out_itemsize or itemsize)
+          + 2 * rows(mcs * config.block_kv) + aligned(TASK_ROWS * 4) + 1024 + 1152 * wide)
 
 
-def check_smem(config: TuningConfig, head_dim: int, itemsize: int = 2):
+def check_smem(config: TuningConfig, head_dim: int, itemsize: int = 2,
+               out_itemsize: int | None = None):
   """ValueError naming the config fields when the forward would not fit in SMEM (Mosaic's own
   error comes only at compile time and names no argument)."""
-  need = smem_bytes(config, head_dim, itemsize)
+  need = smem_bytes(config, head_dim, itemsize, out_itemsize)
   if need > SMEM_LIMIT:
+    with_state = "" if out_itemsize in (None, itemsize) else f" (with a {out_itemsize}-byte state)"
     raise ValueError(
         f"config: max_concurrent_steps={config.max_concurrent_steps} with block_kv="
-        f"{config.block_kv} needs ~{need} bytes of shared memory (SMEM) at head_dim={head_dim}, "
-        f"over the {SMEM_LIMIT}-byte limit: use max_concurrent_steps=2 (or block_kv=64)")
+        f"{config.block_kv} needs ~{need} bytes of shared memory (SMEM) at head_dim={head_dim}"
+        f"{with_state}, over the {SMEM_LIMIT}-byte limit: use max_concurrent_steps=2 (or "
+        f"block_kv=64)")
 
 
 class StepCtx(NamedTuple):
@@ -245,26 +260,60 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   return acc, m_new, l_i
 
 
+def state_load(o_in_ref, l_in_ref, rows, head, o_smem, lse_smem, bar):
+  """Issues the TMA loads of a carried state's ``rows`` of ``head`` (``o_in_ref`` [Tq, Hq, D],
+  ``l_in_ref`` [Hq, Tq]) into this warpgroup's output / LSE staging; ``bar`` counts 2 arrivals."""
+  plgpu.copy_gmem_to_smem(o_in_ref.at[rows, head], o_smem, bar)
+  plgpu.copy_gmem_to_smem(l_in_ref.at[head, rows], lse_smem, bar)
+
+
+def state_init(o_smem, lse_smem):
+  """The online-softmax carry (acc [bq, D] f32, m_i [bq] log2 units, l_i [bq]) of a carried state
+  loaded by :func:`state_load`: ``m = lse_prev``, ``l = 1``, ``acc = out_prev``; a row with
+  ``lse_prev = -inf`` starts empty (its ``out_prev`` is not read: it may be anything)."""
+  lse0 = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+  empty = lse0 == -jnp.inf
+  out0 = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  acc = jnp.where(lax.broadcast_in_dim(empty, out0.shape, [0]), 0.0, out0)
+  l_i = jnp.where(empty, 0.0, jnp.ones_like(lse0))
+  return acc, lse0 * LOG2E, l_i
+
+
+def state_lse(lse_smem, lse, m_i, l_i):
+  """The LSE to store with a carried state: ``lse_prev`` itself (still in ``lse_smem``) for a row
+  whose state this call left as it was (``m`` unchanged, ``l == 1``), so that it is kept exactly
+  (``lse_prev * log2(e) * ln(2)`` may differ in the last bit); else ``lse``."""
+  prev = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+  return jnp.where((m_i == prev * LOG2E) & (l_i == 1.0), prev, lse)
+
+
 def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: float,
-                       config: TuningConfig, interpret: bool = False):
+                       config: TuningConfig, interpret: bool = False, state=None):
   """Runs the forward kernel.
 
   q: [Tq, Hq, D], k/v: [Tk, Hkv, D] (Tq >= 128, Tk % block_kv == 0), table: int32
   [n_tasks, NUM_FIELDS] built with block_q = TASK_ROWS (128). Returns out [Tq, Hq, D] (q.dtype;
   rows of capacity tasks only) and lse_pad [Hq, n_tasks * 128] float32 (natural log).
+
+  ``state``: None, or a carried state ``(out_prev [Tq, Hq, D] f32 or q.dtype, lse_prev_t [Hq, Tq]
+  float32 natural log, transposed)``; then out has out_prev's dtype and is the merge of the state
+  and this call's keys on every row of the tasks (module docstring).
   """
   tq, hq, d = q.shape
   tk, hkv, _ = k.shape
   dtype = q.dtype
+  has_state = state is not None
+  out_dtype = state[0].dtype if has_state else dtype
   bq, bkv, mcs = ROWS, config.block_kv, config.max_concurrent_steps
   tr = TASK_ROWS
   group = hq // hkv
   scale2 = float(sm_scale) * LOG2E
   fld = tables_lib.F
 
-  def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+  def kernel(tab_ref, q_ref, k_ref, v_ref, *refs):
+    *st_refs, out_ref, lse_ref, scoped = refs
     (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
-    k_bar, v_bar, q_bar = bars
+    k_bar, v_bar, q_bar, *s_bar = bars
     k_release, v_release = (RingRelease(used) for used in consumed)
     head = lax.axis_index("heads")
     task = lax.axis_index("tasks")
@@ -282,17 +331,24 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       full_lo, full_hi = get("full_lo"), get("full_hi")
       q_smem = q_smem2.at[wg]
       o_smem = o_smem2.at[wg]
+      lse_smem = lse_smem2.at[wg]
       r0 = wg * bq  # this warpgroup's first row inside the task tile
+      if has_state:  # issued first: its load overlaps Q's (gap tasks too: they copy it through)
+        state_load(*st_refs, pl.ds(q_base + r0, bq), head, o_smem, lse_smem, s_bar[0].at[wg])
 
       @pl.when(n_tiles > 0)  # a gap task (rows in no segment) writes zeros: no Q needed
       def _():
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + r0, bq), head], q_smem, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
 
-      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      if has_state:
+        plgpu.barrier_wait(s_bar[0].at[wg])
+        acc, m_i, l_i = state_init(o_smem, lse_smem)
+      else:
+        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
       @pl.when(n_tiles > 0)
       def _():
@@ -311,9 +367,9 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
 
       empty = l_i == 0.0
       inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
-      o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-      lse_smem = lse_smem2.at[wg]
-      lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+      o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
+      lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+      lse_smem[...] = state_lse(lse_smem, lse, m_i, l_i) if has_state else lse
       plgpu.commit_smem()
       lo = jnp.clip(q_lo - r0, 0, bq)
       hi = jnp.clip(q_hi - r0, 0, bq)
@@ -348,27 +404,29 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
         k_release.wait(lax.rem(j, jnp.int32(mcs)))
         v_release.wait(lax.rem(j, jnp.int32(mcs)))
 
-  def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def entry(tab_ref, q_ref, k_ref, v_ref, *refs):
     tf = swizzled()
     scratch = [
         plgpu.SMEM((2, bq, d), dtype, transforms=tf),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
-        plgpu.SMEM((2, bq, d), dtype),  # untiled: the row ladder slices it at any row
+        plgpu.SMEM((2, bq, d), out_dtype),  # untiled: the row ladder slices it at any row
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
     ]
+    # With a state: one barrier per warpgroup for its two state loads (out, LSE).
+    s_bar = (plgpu.Barrier(num_arrivals=2, num_barriers=2),) if has_state else ()
     pl.run_scoped(
-        lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, a),
+        lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, *refs, a),
         scratch,
         (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
-         plgpu.Barrier(num_barriers=2)),
+         plgpu.Barrier(num_barriers=2)) + s_bar,
         (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),) * 2,
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
 
-  out_type = (jax.ShapeDtypeStruct((tq, hq, d), dtype),
+  out_type = (jax.ShapeDtypeStruct((tq, hq, d), out_dtype),
               jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
   return plgpu.kernel(
       # Mosaic GPU launches the last grid axis fastest (CUDA x): heads, so that CTAs start in the
@@ -377,4 +435,4 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       entry, out_type=out_type, grid=(n_tasks, hq), grid_names=("tasks", "heads"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret),
-  )(table, q, k, v)
+  )(table, q, k, v, *(state or ()))

@@ -17,6 +17,9 @@ Work order: items ``task * Hq + head`` with tasks heaviest first (the table is l
 the q heads sharing a KV head run side by side (L2 reuse); CTA ``c`` takes item ``r * G + c`` in even
 rounds ``r`` and ``r * G + G - 1 - c`` in odd rounds (snake), which keeps the per-CTA sums of a
 decreasing work list within about one item of each other.
+
+A carried ``state`` works as in :mod:`tile_attention_fwd`: the compute warpgroups load each item's
+state rows themselves (once the previous item's stores have read the staging buffers they reuse).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, TASK_ROWS, interpret_params,
                                         ladder_store, masked_split_loop, swizzled)
 from liquidcp_jax.pallas.sync import RingRelease
-from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, TuningConfig, softmax_step
+from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, softmax_step,
+                                                   state_init, state_load, state_lse)
 
 
 def num_sms(default: int = 132) -> int:
@@ -49,15 +53,18 @@ def item_of(cta, r, num_ctas):
 
 
 def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: float,
-                                  config: TuningConfig, interpret: bool = False):
+                                  config: TuningConfig, interpret: bool = False, state=None):
   """Runs the persistent forward kernel. Arguments and results as ``tile_attention_fwd``.
 
   q: [Tq, Hq, D], k/v: [Tk, Hkv, D], table: int32 [n_tasks, NUM_FIELDS]. Returns out [Tq, Hq, D]
-  and lse_pad [Hq, n_tasks * task_rows] float32 (natural log).
+  and lse_pad [Hq, n_tasks * task_rows] float32 (natural log). ``state``: None or
+  ``(out_prev [Tq, Hq, D], lse_prev_t [Hq, Tq])`` as in ``tile_attention_fwd``.
   """
   tq, hq, d = q.shape
   tk, hkv, _ = k.shape
   dtype = q.dtype
+  has_state = state is not None
+  out_dtype = state[0].dtype if has_state else dtype
   bq, bkv, mcs = ROWS, config.block_kv, config.max_concurrent_steps
   tr = TASK_ROWS
   group = hq // hkv
@@ -67,9 +74,10 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
   g_ctas = max(1, min(config.num_ctas or num_sms(), n_items))
   n_rounds = -(-n_items // g_ctas)
 
-  def kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+  def kernel(tab_ref, q_ref, k_ref, v_ref, *refs):
+    *st_refs, out_ref, lse_ref, scoped = refs
     (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2), bars, consumed, sched = scoped
-    k_bar, v_bar, q_bar = bars
+    k_bar, v_bar, q_bar, *s_bar = bars
     k_used, v_used, q_free = consumed
     k_release, v_release = RingRelease(k_used), RingRelease(v_used)
     cta = lax.axis_index("sm")
@@ -102,14 +110,22 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           kv_lo, kv_hi, diag = get("kv_lo"), get("kv_hi"), get("diag")
           full_lo, full_hi = get("full_lo"), get("full_hi")
           q_smem = q_smem2.at[wg]
+          if has_state:
+            # The state lands in the staging buffers: the previous item's stores must have read them.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            state_load(*st_refs, pl.ds(q_base + r0, bq), head, o_smem, lse_smem, s_bar[0].at[wg])
           # For a gap task (no KV tiles) the producer arrives on q_bar without loading Q; waiting
           # anyway keeps this warpgroup paced by the producer's q_free waits.
           plgpu.barrier_wait(q_bar.at[wg])
-          m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1))
-          l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1))
-          acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+          if has_state:
+            plgpu.barrier_wait(s_bar[0].at[wg])
+            acc, m_i, l_i = state_init(o_smem, lse_smem)
+          else:
+            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
           @pl.when(n_tiles > 0)
           def _():
@@ -137,9 +153,9 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
           # The previous item's stores read o_smem / lse_smem asynchronously: let them finish.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-          lse_smem[...] = jnp.where(empty, -jnp.inf,
-                                    m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+          o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
+          lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+          lse_smem[...] = state_lse(lse_smem, lse, m_i, l_i) if has_state else lse
           plgpu.commit_smem()
           lo = jnp.clip(q_lo - r0, 0, bq)
           hi = jnp.clip(q_hi - r0, 0, bq)
@@ -214,21 +230,23 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       # And the Q release of the last live item (only the last round can be dead).
       plgpu.barrier_wait(q_free)
 
-  def entry(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def entry(tab_ref, q_ref, k_ref, v_ref, *refs):
     tf = swizzled()
     scratch = [
         plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # Q rows of each compute warpgroup
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
         plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
-        plgpu.SMEM((2, bq, d), dtype),  # untiled: the row ladder slices it at any row
+        plgpu.SMEM((2, bq, d), out_dtype),  # untiled: the row ladder slices it at any row
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
     ]
+    # With a state: one barrier per compute warpgroup for its two state loads (out, LSE).
+    s_bar = (plgpu.Barrier(num_arrivals=2, num_barriers=2),) if has_state else ()
     pl.run_scoped(
-        lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, a),
+        lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, *refs, a),
         scratch,
         (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
-         plgpu.Barrier(num_barriers=2)),
+         plgpu.Barrier(num_barriers=2)) + s_bar,
         (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
          plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
          plgpu.Barrier(num_arrivals=2)),
@@ -236,10 +254,10 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
         collective_axes="wg",
     )
 
-  out_type = (jax.ShapeDtypeStruct((tq, hq, d), dtype),
+  out_type = (jax.ShapeDtypeStruct((tq, hq, d), out_dtype),
               jax.ShapeDtypeStruct((hq, n_tasks * tr), jnp.float32))
   return plgpu.kernel(
       entry, out_type=out_type, grid=(g_ctas,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret),
-  )(table, q, k, v)
+  )(table, q, k, v, *(state or ()))
