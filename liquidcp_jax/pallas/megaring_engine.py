@@ -72,6 +72,23 @@ from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, PeerTransp
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+def relay_tile(k, rows_ref, i, src_ref, recv_ref, buf, bar, B: int):
+    """A transfer worker's ``k``-th tile, list row ``i``: ``B`` rows of ``src_ref`` from
+    ``rows_ref[i, 0]`` to ``recv_ref`` at ``rows_ref[i, 1]``, through SMEM slot ``k % 2`` (two
+    tiles in flight)."""
+    slot = lax.rem(k, 2)
+    src = pl.multiple_of(rows_ref[i, 0], 8)
+    dst = pl.multiple_of(rows_ref[i, 1], 8)
+
+    @pl.when(k >= 2)
+    def _():   # the store issued from this slot two tiles ago has read it
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+    plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(src, B)], buf.at[slot], bar.at[slot])
+    plgpu.barrier_wait(bar.at[slot])
+    plgpu.copy_smem_to_gmem(buf.at[slot], recv_ref.at[pl.ds(dst, B)])
+
+
 def transfer_lists(tb: ep.EngineTables, geom: RingGeometry):
     """Per-CTA transfer lists of the staged launch (host, NumPy).
 
@@ -124,18 +141,7 @@ def _build_transfer(G: int, recv_rows: int, B: int, D: int, dtype_name: str, int
         def body(buf, bar, scr):
             @pl.loop(i0, i1)
             def _(i):
-                k = i - i0
-                slot = lax.rem(k, 2)
-                src = pl.multiple_of(rows_ref[i, 0], 8)
-                dst = pl.multiple_of(rows_ref[i, 1], 8)
-
-                @pl.when(k >= 2)
-                def _():   # the store issued from this slot two tiles ago has read it
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-
-                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(src, B)], buf.at[slot], bar.at[slot])
-                plgpu.barrier_wait(bar.at[slot])
-                plgpu.copy_smem_to_gmem(buf.at[slot], recv_ref.at[pl.ds(dst, B)])
+                relay_tile(i - i0, rows_ref, i, kv_ref, recv_ref, buf, bar, B)
                 if fused:
                     plgpu.wait_smem_to_gmem(0)   # the tile is fully written: insert it
                     recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
@@ -285,18 +291,7 @@ def _build_peer_transfer(P: int, W: int, T: int, recv_rows: int, B: int, D: int,
 
                 @pl.loop(i0, i1)
                 def _(i):
-                    k = i - i0
-                    slot = lax.rem(k, 2)
-                    src = pl.multiple_of(rows_ref[i, 0], 8)
-                    dst = pl.multiple_of(rows_ref[i, 1], 8)
-
-                    @pl.when(k >= 2)
-                    def _():   # the store issued from this slot two tiles ago has read it
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-
-                    plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(src, B)], buf.at[slot], bar.at[slot])
-                    plgpu.barrier_wait(bar.at[slot])
-                    plgpu.copy_smem_to_gmem(buf.at[slot], recv_ref.at[pl.ds(dst, B)])
+                    relay_tile(i - i0, rows_ref, i, src_ref, recv_ref, buf, bar, B)
 
                 plgpu.wait_smem_to_gmem(0)   # the next step's loop restarts the slot parity
 

@@ -75,6 +75,18 @@ KT = {n: i for i, n in enumerate(("remote", "kv_row", "meta_row", "ent_start", "
                                   "task"))}
 
 
+def _longest_first(rows, num_ctas: int, nh: int) -> list[list]:
+    """Task rows (entry count at index 4) over ``num_ctas`` CTA lists: longest first to the
+    least-loaded CTA, a task costing 1 + its entries x ``nh`` key halves."""
+    load = np.zeros(int(num_ctas))
+    lists = [[] for _ in range(int(num_ctas))]
+    for row in sorted(rows, key=lambda x: -x[4]):
+        cta = int(np.argmin(load))
+        lists[cta].append(row)
+        load[cta] += 1 + row[4] * nh
+    return lists
+
+
 def backward_lists(bt: eb.BackwardTables, geom: RingGeometry, num_ctas: int) -> dict:
     """Host: the int32 arrays of the staged backward (NumPy).
 
@@ -101,12 +113,7 @@ def backward_lists(bt: eb.BackwardTables, geom: RingGeometry, num_ctas: int) -> 
         d, rem, s, o, b = (r[kf[f]] for f in ("rank", "remote", "slot", "owner", "owner_tile"))
         kv = em.recv_row(d, s) if rem else em.kv_row(d, b)
         rows.append((rem, kv, em.kv_row(o, b), r[kf["ent_start"]], r[kf["ent_count"]], t))
-    load = np.zeros(int(num_ctas))
-    lists = [[] for _ in range(int(num_ctas))]
-    for row in sorted(rows, key=lambda x: -x[4]):     # longest first to the least-loaded CTA
-        cta = int(np.argmin(load))
-        lists[cta].append(row)
-        load[cta] += 1 + row[4] * nh
+    lists = _longest_first(rows, num_ctas, nh)
     task = np.asarray([x for lst in lists for x in lst], np.int32).reshape(-1, len(KT))
     off = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
     ent_rank = np.repeat(bt.task[:, kf["rank"]], bt.task[:, kf["ent_count"]])
@@ -407,12 +414,7 @@ def peer_backward_tables(tb: ep.EngineTables, tr, num_ctas: int) -> dict:
                 meta[:, C + s * B:C + (s + 1) * B] = seq[o, b * B:(b + 1) * B], pos[o, b * B:(b + 1) * B]
             rows.append((rem, kv, mrow, len(ents), ne, len(rows), (C + s * B) if rem else b * B))
             ents.extend(bt.ent[e0:e0 + ne].tolist())
-        load = np.zeros(int(num_ctas))
-        lists = [[] for _ in range(int(num_ctas))]
-        for row in sorted(rows, key=lambda x: -x[4]):     # longest first to the least-loaded CTA
-            cta = int(np.argmin(load))
-            lists[cta].append(row)
-            load[cta] += 1 + row[4] * nh
+        lists = _longest_first(rows, num_ctas, nh)
         per.append((lists, ents, meta, rows))
     T = max(max(len(x[3]) for x in per), 1)
     E = max(max(len(x[1]) for x in per), 1)

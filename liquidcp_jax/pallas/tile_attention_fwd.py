@@ -279,6 +279,18 @@ def state_init(o_smem, lse_smem):
   return acc, lse0 * LOG2E, l_i
 
 
+def initial_carry(bq: int, d: int, o_smem, lse_smem, state_bar=None):
+  """A Q tile's starting online-softmax carry ``(acc, m_i, l_i)``: with a carried state, the state
+  once its loads (:func:`state_load`, on ``state_bar``) have landed, else empty (``m = -inf``,
+  ``l = 0``)."""
+  if state_bar is not None:
+    plgpu.barrier_wait(state_bar)
+    return state_init(o_smem, lse_smem)
+  m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  return plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA), m_i, l_i
+
+
 def state_lse(lse_smem, lse, m_i, l_i):
   """The LSE to store with a carried state: ``lse_prev`` itself (still in ``lse_smem``) for a row
   whose state this call left as it was (``m`` unchanged, ``l == 1``), so that it is kept exactly
@@ -341,14 +353,8 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + r0, bq), head], q_smem, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
 
-      if has_state:
-        plgpu.barrier_wait(s_bar[0].at[wg])
-        acc, m_i, l_i = state_init(o_smem, lse_smem)
-      else:
-        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      acc, m_i, l_i = initial_carry(bq, d, o_smem, lse_smem,
+                                    s_bar[0].at[wg] if has_state else None)
 
       @pl.when(n_tiles > 0)
       def _():

@@ -33,8 +33,8 @@ from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, TASK_ROWS, interpret_params,
                                         ladder_store, masked_split_loop, swizzled)
 from liquidcp_jax.pallas.sync import RingRelease
-from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, softmax_step,
-                                                   state_init, state_load, state_lse)
+from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, initial_carry,
+                                                   softmax_step, state_load, state_lse)
 
 
 def num_sms(default: int = 132) -> int:
@@ -117,15 +117,8 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           # For a gap task (no KV tiles) the producer arrives on q_bar without loading Q; waiting
           # anyway keeps this warpgroup paced by the producer's q_free waits.
           plgpu.barrier_wait(q_bar.at[wg])
-          if has_state:
-            plgpu.barrier_wait(s_bar[0].at[wg])
-            acc, m_i, l_i = state_init(o_smem, lse_smem)
-          else:
-            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+          acc, m_i, l_i = initial_carry(bq, d, o_smem, lse_smem,
+                                        s_bar[0].at[wg] if has_state else None)
 
           @pl.when(n_tiles > 0)
           def _():
