@@ -9,6 +9,9 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
                   (``delta_attn = 4``; a guess, not a calibration);
 * ``engine_fa3``  the fused engine with FA3-derived splits (Fig. 12 analogue: plan vs plan);
 * ``engine_cw_unchecked``  ``engine_cw`` with ``contain_bad_data=False`` (the containment's cost);
+* ``kernel_cw``   the fused launch of ``engine_cw_unchecked`` alone, on inputs prepared outside the
+                  timed region (the rest of a step: query padding, output gathering);
+* ``kernel_empty`` that launch with no task on any CTA (launch, counter zeroing, teardown);
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;
@@ -39,6 +42,7 @@ parameters, their RMSE, the busy times and the input ``liquidcp calibrate`` read
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -220,8 +224,20 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         for pk in ("fa3", "cw"):
             tb = dev_tables[pk]
             methods[f"staged_{pk}"] = (fns[False], [s + (tb,) for s in sets])
+        # The fixed cost broken down: the fused launch alone on inputs prepared outside the
+        # timed region, and the same launch with no task on any CTA.
+        run = eng.launcher(shape, eng.EngineConfig(num_ctas=G, fused=not INTERPRET,
+                                                   contain_bad_data=False),
+                           D, jnp.dtype(DTYPE).name, scale, INTERPRET)
+        prep = jax.jit(functools.partial(eng.kernel_inputs, shape=shape, interpret=INTERPRET))
+        kin = [tuple(prep(*x)) for x in sets]
+        launch = jax.jit(lambda tb, *x: run(*tb, *x))
+        tb4 = tuple(dev_tables["cw"][:4])
+        no_tasks = tb4[:3] + (jnp.zeros_like(tb4[3]),)   # cta_off all 0: every list empty
+        methods["kernel_cw"] = (launch, [(tb4,) + k for k in kin])
+        methods["kernel_empty"] = (launch, [(no_tasks,) + kin[0]])
         if a.interpret:  # the interpreter runs a kernel in minutes: one method, once
-            methods = {"staged_cw": methods["staged_cw"]}
+            methods = {k: methods[k] for k in ("staged_cw", "kernel_empty")}
         decode_only = all(x == ql[0] for x in ql)
         if decode_only and gname.startswith("syn") and not a.interpret:   # padded baselines: synthetic cases
             B, qn = len(hist), int(ql[0])
@@ -291,8 +307,8 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
     return rows
 
 
-TABLE_METHODS = ("engine_cw", "engine_cw_unchecked", "engine_cw4", "engine_fa3", "staged_fa3",
-                 "staged_cw", "triton_gqa", "cudnn", "xla")
+TABLE_METHODS = ("engine_cw", "engine_cw_unchecked", "kernel_cw", "kernel_empty", "engine_cw4",
+                 "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa", "cudnn", "xla")
 
 
 def main(argv=None) -> int:

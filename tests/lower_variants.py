@@ -139,6 +139,24 @@ def engine_variant(kind, d=128, dt="bf16"):
   return jax.jit(fs[kind]).trace(x).lower(lowering_platforms=("cuda",))
 
 
+def megadcp_variant(fused, d=128, dt="bf16", contain=True, dcp=1):
+  """The MegaDCP engine's launch(es) for one decode step (4 CTAs; P = 1: the final output, else
+  one rank's states)."""
+  from liquidcp_jax.megadcp.tables import build_descriptor_tables
+  from liquidcp_jax.pallas import megadcp_engine as eng
+  from liquidcp_jax.pallas import megadcp_engine_tables as et
+  hq = 8 // dcp
+  t = build_descriptor_tables([300, 0, 1000, 77], [16, 3, 1, 20], dcp, hq)
+  plan = et.pack_engine(t, 0, num_ctas=4)
+  s = plan.shape
+  cfg = eng.EngineConfig(num_ctas=4, fused=fused, contain_bad_data=contain)
+  qc, qa = sd((s.tq_cap, hq, d), DT[dt]), sd((s.tq_cap, dcp * hq, d), DT[dt])
+  kn, kh = sd((s.tq_cap, d), DT[dt]), sd((s.hist_rows, d), DT[dt])
+  f = lambda qc, qa, kn, vn, kh, vh: eng.megadcp_engine(  # noqa: E731
+      qc, qa if dcp > 1 else qc, kn, vn, kh, vh, plan.tables, s, scale=0.1, config=cfg)
+  return jax.jit(f).trace(qc, qa, kn, kn, kh, kh).lower(lowering_platforms=("cuda",))
+
+
 def variants():
   """name -> (builder, keyword arguments) of every selectable variant (and the defaults)."""
   v = {}
@@ -187,6 +205,10 @@ def variants():
       "bwd_default_runtime_d64": dict(c128, d=64, t=4096),  # head_dim 64: two kernels only
   }
   v.update({name: (bwd_variant, kw) for name, kw in bwd_cases.items()})
+  v["megadcp_fused"] = (megadcp_variant, dict(fused=True))
+  v["megadcp_staged_d64_f16"] = (megadcp_variant, dict(fused=False, d=64, dt="f16"))
+  v["megadcp_fused_unchecked"] = (megadcp_variant, dict(fused=True, contain=False))
+  v["megadcp_fused_p2"] = (megadcp_variant, dict(fused=True, dcp=2))
   for causal in (True, False):
     cs = "causal" if causal else "full"
     v[f"segfwd_{cs}_plain"] = (seg_fwd_variant, dict(causal=causal, d=128, dt="bf16",

@@ -81,7 +81,7 @@ def test_capacities_pin_one_shape():
         p = et.pack_engine(t, 0, num_ctas=8, capacities=caps, tq_cap=64, hist_rows=8192)
         shapes.add(p.shape)
         assert [x.shape for x in p.tables] == [(64, len(et.ATTN_FIELDS)), (32, len(et.RED_FIELDS)),
-                                               (64,), (2, 9), (1,), (1,)]
+                                               (64,), (2, 9), (1,), (1,), (64,)]
     assert len(shapes) == 1
 
 
@@ -218,3 +218,23 @@ def test_fused_engine_interpret_one_cta(rng, final):
     assert plan.shape.final == final
     for k, v in errs.items():
         assert v < 2e-2, (k, v)
+
+
+def test_new_lo_and_the_new_v_marks():
+    """``new_lo``: each query token sees its request's new tokens up to itself; the marks of a
+    bad new V row are exactly the later tokens of its request (padding tokens see nothing)."""
+    from liquidcp_jax.pallas import megadcp_engine as eng
+    ql = [3, 1, 5, 1]
+    p = et.pack_engine(build_tables([10, 4, 0, 7], ql, 1, 8), 0, num_ctas=2)
+    T = p.shape.tq_cap
+    assert T > sum(ql)
+    assert p.tables.new_lo.tolist() == [0, 0, 0, 3, 4, 4, 4, 4, 4, 9] + list(range(11, T + 1))
+    for row in range(T):
+        bad = np.zeros(p.shape.new_rows, bool)
+        bad[row] = True
+        got = np.asarray(eng._sees_bad_new(p.tables.new_lo, bad, T))
+        req = np.repeat(np.arange(len(ql)), ql)
+        want = np.zeros(T, bool)
+        if row < sum(ql):
+            want[:sum(ql)] = (req == req[row]) & (np.arange(sum(ql)) >= row)
+        assert np.array_equal(got, want), row

@@ -136,3 +136,36 @@ def test_op_engine_matches_float64(rng, backend):
     ref, _ = decode_reference(*(np.asarray(x, np.float64) for x in args), hist, ql)
     assert not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_error(out, ref) < TOL
+
+
+@pytest.mark.parametrize("spot", [("v_hist", 2000, np.nan), ("v_hist", 2001, np.inf),
+                                  ("v_new", 17, np.nan), ("k_hist", 5, np.nan),
+                                  ("q", 30, -np.inf)])
+def test_bad_data_stays_in_its_rows(rng, spot):
+    """The fused engine on every SM (P = 1, D = 128): a non-finite value in one request's Q, K
+    or V reaches exactly the output rows that depend on it, and every other row matches
+    float64. Row 2000 (request 0's last) lies in request 2's first history tile and row 2001
+    (request 2's first) in request 0's last one: the SMEM zeroing of other requests' V rows."""
+    import liquidcp_jax as lcp
+    from liquidcp_jax.reference import decode_reference, rel_error
+    from _bad_data import decode_visibility, dependents
+    hist, ql = [2001, 0, 777, 130], [16, 3, 20, 1]
+    mesh = jax.make_mesh((1,), ("dcp",), devices=jax.devices()[:1])
+    plan = lcp.plan_megadcp(hist, ql, mesh, num_q_heads=8, engine=True)
+    Tq, Th = sum(ql), sum(hist)
+    shapes = {"q": (Tq, 8, 128), "k_new": (Tq, 1, 128), "v_new": (Tq, 1, 128),
+              "k_hist": (Th, 1, 128), "v_hist": (Th, 1, 128)}
+    x = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    name, row, val = spot
+    x[name][row, 0, 5] = val
+    args = [jnp.asarray(x[n], jnp.bfloat16) for n in shapes]
+    jax.block_until_ready(lcp.megadcp_attention(args[0] * jnp.nan, *args[1:], plan,
+                                                backend="pallas"))   # poison
+    out = np.asarray(lcp.megadcp_attention(*args, plan, backend="pallas"), np.float32)
+    key_row = row if name == "q" or name.endswith("hist") else Th + row
+    want = dependents(decode_visibility(hist, ql), 8, 1, name[0], key_row, 0)["out"]
+    got = ~np.isfinite(out).all(-1)
+    assert np.array_equal(got, want), (f"{int((got & ~want).sum())} rows reached outside the "
+                                       f"request, {int((want & ~got).sum())} dependent rows missed")
+    ref, _ = decode_reference(*(np.asarray(a, np.float64) for a in args), hist, ql)
+    assert rel_error(out[~want], np.asarray(ref)[~want]) < TOL

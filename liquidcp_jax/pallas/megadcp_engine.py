@@ -82,9 +82,9 @@ class EngineConfig:
     (:mod:`megadcp_engine_profile` turns it into per-CTA busy times). The compute warpgroups'
     ping-pong runs on hardware named barriers on the GPU (the tile-attention forward's
     schedule; the interpreter uses an mbarrier). ``contain_bad_data``: non-finite ``V`` rows
-    reach only the rows that see them (``V`` is cleaned around the launch and those rows
-    marked: one more read and write of the history ``V`` per step; False skips it, for inputs
-    known to be finite).
+    reach only the rows that see them (history tasks zero other requests' ``V`` rows of their
+    boundary tiles in SMEM; the step's new ``V`` is cleaned around the launch and the tokens
+    that see a bad row marked; False skips both, for inputs known to be finite).
     """
     block_kv: int = 128
     max_concurrent_steps: int = 2
@@ -152,7 +152,7 @@ def check_inputs(dtype, head_dim, config: EngineConfig, final: bool):
 
 def _attention_phase(cx_static, refs, bars, sems):
     """Phase 1: the CTA's attention tasks (compute warpgroups 0/1, TMA producer warpgroup 2)."""
-    (d, dtype, mcs, bkv, scale2, hq, interpret, fused) = cx_static
+    (d, dtype, mcs, bkv, scale2, hq, interpret, fused, contain) = cx_static
     attn_ref, off_ref, qc_ref, qh_ref, kn_ref, vn_ref, kh_ref, vh_ref, po_ref, pl_ref = refs
     q_bar, k_bar, v_bar, k_used, v_used, q_free, sched = bars
     cta = lax.axis_index("sm")
@@ -187,7 +187,10 @@ def _attention_phase(cx_static, refs, bars, sems):
                              k_bar, v_bar, k_release, v_release, sched, r0, get("kv_lo"),
                              get("kv_hi"), get("diag"), n_tiles,
                              lambda j: lax.rem(c0 + j, jnp.int32(mcs)), _BQ, bkv, d, dtype, True,
-                             scale2, interpret, True, wg, hq)
+                             scale2, interpret, True, wg, hq,
+                             # history tiles hold other requests' V rows: zero them (chunk
+                             # tasks read the new V, cleaned around the launch)
+                             (get("kind") == 1) if contain else None)
                 cx.sched_start()
 
                 def step(j, carry, masked):
@@ -380,14 +383,18 @@ def _phase1_barriers(mcs):
 
 
 @functools.lru_cache(maxsize=64)
-def _build(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str, scale: float,
-           interpret: bool):
-    """The engine's launch(es) for one compile key: a function of the device arrays."""
+def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str, scale: float,
+             interpret: bool = False):
+    """The engine's launch(es) for one compile key: ``run(attn, red, red_in, cta_off, *inputs)``
+    with :func:`kernel_inputs` ``-> (results, (part_o, part_lse))``; no input preparation, no
+    bad-data handling, no output gathering (:func:`megadcp_engine` adds them; benchmarks time
+    the launch alone)."""
     dtype = jnp.dtype(dtype_name)
     mcs, bkv = config.max_concurrent_steps, config.block_kv
     G, final = shape.num_ctas, shape.final
     A_cap, U_cap = shape.attn_cap, shape.red_cap
-    cx_static = (d, dtype, mcs, bkv, float(scale) * LOG2E, shape.hq_pad, interpret, config.fused)
+    cx_static = (d, dtype, mcs, bkv, float(scale) * LOG2E, shape.hq_pad, interpret, config.fused,
+                 config.contain_bad_data)
     part_types = (jax.ShapeDtypeStruct((A_cap, _ROWS, d), jnp.float32),
                   jax.ShapeDtypeStruct((A_cap, _ROWS), jnp.float32))
     if final:
@@ -488,6 +495,7 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
     T, hq, H = shape.tq_cap, shape.hq, shape.heads
     sq = lambda x: x.reshape(x.shape[0], x.shape[-1]) if x.ndim == 3 else x  # noqa: E731
     k_new, v_new, k_hist, v_hist = map(sq, (k_new, v_new, k_hist, v_hist))
+    hqp = shape.hq_pad
     for name, x, want in (("q_chunk", q_chunk, (T, hq, d)), ("q_hist", q_hist, (T, H, d)),
                           ("k_new", k_new, (T, d)), ("v_new", v_new, (T, d)),
                           ("k_hist", k_hist, (shape.hist_rows, d)),
@@ -496,36 +504,51 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
             raise ValueError(f"{name} must have shape {want}; got {tuple(x.shape)}")
         if x.dtype != q_chunk.dtype:
             raise ValueError(f"{name} dtype {x.dtype} must equal q_chunk's {q_chunk.dtype}")
+    run = launcher(shape, config, d, jnp.dtype(q_chunk.dtype).name, float(scale), bool(interpret))
+    tb = [jnp.asarray(x) for x in tables[:4]]
+    # Bad data: a task's P @ V multiplies masked keys' V rows by 0, and 0 * NaN is NaN. History
+    # tiles zero the V rows of other requests in SMEM (``StepCtx.zero_v``), so a bad history V
+    # reaches exactly its request's rows through the arithmetic. A chunk tile's causal mask
+    # differs per row (a request's future tokens), so the new V (a few rows) enters cleaned and
+    # the query tokens that see a bad one are marked after (bad Q / K stay in their rows: masked
+    # scores are selected away).
+    contain = config.contain_bad_data
+    if contain:
+        v_new, bad_new = _clean_rows(v_new)
+    res, partials = run(*tb, *kernel_inputs(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, shape,
+                                            interpret))
+    tok_bad = _sees_bad_new(tables.new_lo, bad_new, T) if contain else None
+    if shape.final:
+        out = res[0].reshape(T, hqp, d)[:, :hq]
+        if tok_bad is not None:
+            out = _mark(out, tok_bad)
+    else:
+        chunk, hist = gather_states(*partials, *res, tables, shape)
+        if tok_bad is not None:   # the LSE does not depend on V
+            chunk = st.PartialState(_mark(chunk.out, tok_bad), chunk.lse)
+        out = (chunk, hist)
+    if return_partials:
+        return out, partials
+    return out
+
+
+def kernel_inputs(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, shape: et.EngineShape,
+                  interpret: bool = False):
+    """The launch's ``(qc, qh, k_new, v_new, k_hist, v_hist)``: query rows ``token * heads_pad
+    + head`` (heads zero-padded to a multiple of 8, so that every Q tile starts at a multiple
+    of 8 rows for the tiled-SMEM TMA), the new KV padded to ``shape.new_rows``; KV ``[rows, D]``
+    (one KV head)."""
+    T, d = shape.tq_cap, q_chunk.shape[-1]
     hqp, Hp = shape.hq_pad, shape.heads_pad
-    # Rows token * heads_pad + head; heads are padded to a multiple of 8 (zero heads) so that
-    # every Q tile starts at a multiple of 8 rows (tiled-SMEM TMA).
+    sq = lambda x: x.reshape(x.shape[0], x.shape[-1]) if x.ndim == 3 else x  # noqa: E731
+    k_new, v_new, k_hist, v_hist = map(sq, (k_new, v_new, k_hist, v_hist))
     pad_h = lambda x, hp: x if x.shape[1] == hp else jnp.pad(x, ((0, 0), (0, hp - x.shape[1]), (0, 0)))  # noqa
     qc = pad_h(q_chunk, hqp).reshape(T * hqp, d)
     qh = qc if (q_hist is q_chunk and Hp == hqp) else pad_h(q_hist, Hp).reshape(T * Hp, d)
     if interpret:   # the interpreter clamps out-of-bounds TMA boxes (the GPU fills zeros)
         qc, qh = _pad_rows(qc, T * hqp + _ROWS), _pad_rows(qh, T * Hp + _ROWS)
     k_new, v_new = _pad_rows(k_new, shape.new_rows), _pad_rows(v_new, shape.new_rows)
-    run = _build(shape, config, d, jnp.dtype(q_chunk.dtype).name, float(scale), bool(interpret))
-    tb = [jnp.asarray(x) for x in tables[:4]]
-    # Bad data: a task's P @ V multiplies masked keys' V rows (another request's, or the same
-    # request's future tokens) by 0, so V enters cleaned and the rows that see a bad V are
-    # marked after (bad Q / K already stay in their rows: masked scores are selected away).
-    contain = config.contain_bad_data
-    if contain:
-        v_new, bad_new = _clean_rows(v_new)
-        v_hist, bad_hist = _clean_rows(v_hist)
-    res, partials = run(*tb, qc, qh, k_new, v_new, k_hist, v_hist)
-    bad = _bad_rows(tables, bad_new, bad_hist, shape) if contain else None
-    if shape.final:
-        out = res[0] if bad is None else _mark(res[0], bad)
-        out = out.reshape(T, hqp, d)[:, :hq]
-    else:
-        out = gather_states(*partials, *res, tables, shape)
-        if bad is not None:
-            out = (_mark_state(out[0], bad[0]), _mark_state(out[1], bad[1]))
-    if return_partials:
-        return out, partials
-    return out
+    return qc, qh, k_new, v_new, k_hist, v_hist
 
 
 def _clean_rows(v):
@@ -534,59 +557,12 @@ def _clean_rows(v):
     return jnp.where(ok, v, jnp.zeros((), v.dtype)), ~jnp.all(ok, axis=-1)
 
 
-def _bad_rows(tables: et.EngineTables, bad_new, bad_hist, shape: et.EngineShape):
-    """Which results see a bad V row, from the tables alone (prefix counts and scatters, no loop).
-
-    A task's tile row ``i`` sees keys ``[kv_lo, kv_hi)`` of ``kv_base`` (chunk rows causally, up
-    to ``diag + i // hq_pad``); a reduction's row sees what its inputs' row sees. Results follow
-    the kernel's own routing: ``final``: ``[Tq_cap * hq_pad]`` output rows; else ``(chunk
-    [Tq_cap, hq], history [Tq_cap, H])`` through the granule maps, as :func:`gather_states`.
-    ``bad_new`` / ``bad_hist``: ``[new_rows]`` / ``[hist_rows]`` bool."""
-    fa, fr = et.FA, et.FR
-    attn, red, red_in = (jnp.asarray(x) for x in tables[:3])
-    col = lambda name: attn[:, fa[name]][:, None]  # noqa: E731
-    i = jnp.arange(_ROWS)[None, :]
-    chunk = col("kind") == 0
-    lo = col("kv_base") + col("kv_lo")
-    hi = col("kv_base") + jnp.where(chunk, jnp.minimum(col("kv_hi"), col("diag") + i // shape.hq_pad + 1),
-                                    col("kv_hi"))
-
-    def seen(flags):
-        cnt = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(flags, dtype=jnp.int32)])
-        n = flags.shape[0]
-        return (hi > lo) & (cnt[jnp.clip(hi, 0, n)] - cnt[jnp.clip(lo, 0, n)] > 0)
-
-    task = (col("n_tiles") > 0) & jnp.where(chunk, seen(bad_new), seen(bad_hist))
-    by_slot = jnp.zeros((shape.attn_cap, _ROWS), bool).at[attn[:, fa["slot"]]].max(task)
-    # Reduction items: the inputs' rows, OR-ed (entry e of red_in belongs to the item whose
-    # [in_start, in_start + n_in) holds it).
-    n_in, start = red[:, fr["n_in"]], red[:, fr["in_start"]]
-    U, I = red.shape[0], red_in.shape[0]
-    e = jnp.arange(I)
-    first = jnp.full((I + 1,), -1, jnp.int32).at[jnp.where(n_in > 0, start, I)].max(
-        jnp.arange(U, dtype=jnp.int32), mode="drop")[:I]
-    last = lax.cummax(jnp.where(first >= 0, e, -1))
-    u = jnp.where(last >= 0, first[jnp.maximum(last, 0)], -1)
-    uc = jnp.maximum(u, 0)
-    inside = (u >= 0) & (e < start[uc] + n_in[uc])
-    by_item = jnp.zeros((U, _ROWS), bool).at[jnp.where(inside, u, U)].max(
-        by_slot[red_in] & inside[:, None], mode="drop")
-    if shape.final:
-        dst = red[:, fr["dst_row"]][:, None] + i
-        ok = (i < red[:, fr["n_rows"]][:, None]) & (n_in[:, None] > 0)
-        rows = shape.tq_cap * shape.hq_pad
-        return jnp.zeros((rows,), bool).at[jnp.where(ok, dst, rows)].max(by_item, mode="drop")
-    by_red = jnp.zeros((U, _ROWS), bool).at[jnp.where(n_in > 0, red[:, fr["dst_row"]], U)].max(
-        by_item, mode="drop")
-    flat = jnp.concatenate([by_slot.reshape(-1), by_red.reshape(-1)])
-    T = shape.tq_cap
-
-    def take(src, h, hp):
-        r = _state_rows(src, h, hp, T)
-        return jnp.where(r >= 0, flat[jnp.maximum(r, 0)], False).reshape(T, h)
-
-    return (take(tables.chunk_src, shape.hq, shape.hq_pad),
-            take(tables.hist_src, shape.heads, shape.heads_pad))
+def _sees_bad_new(new_lo, bad_new, T: int):
+    """``[T]``: query token ``t`` sees a bad new V row, i.e. one in ``[new_lo[t], t]`` (its
+    request's new tokens up to itself); a prefix count, no loop."""
+    cnt = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad_new[:T], dtype=jnp.int32)])
+    t = jnp.arange(T)
+    return cnt[t + 1] - cnt[jnp.clip(jnp.asarray(new_lo), 0, T)] > 0
 
 
 def _state_rows(src, h, hp, T):
@@ -600,10 +576,6 @@ def _state_rows(src, h, hp, T):
 
 def _mark(x, bad):
     return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), jnp.nan, x).astype(x.dtype)
-
-
-def _mark_state(s: st.PartialState, bad):
-    return st.PartialState(_mark(s.out, bad), jnp.where(bad, jnp.nan, s.lse))
 
 
 def gather_states(po, pl_, ro, rl, tables: et.EngineTables, shape: et.EngineShape):

@@ -126,6 +126,6 @@ def execute(combine, spec, mesh, s: et.EngineShape, cfg: eng.EngineConfig, inter
         return combine(q_loc, chunk, hist, spec)
 
     fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(P(None, ax), P(), P(), P(ax), P(ax)) + (P(ax),) * 6,
+                       in_specs=(P(None, ax), P(), P(), P(ax), P(ax)) + (P(ax),) * len(tables),
                        out_specs=P(None, ax), check_vma=False)
     return fn(q, k_new, v_new, k_hist, v_hist, *tables)

@@ -109,7 +109,9 @@ class EngineTables(NamedTuple):
     ``chunk_src [Tq_cap * hq_pad / 8]`` / ``hist_src [Tq_cap * heads_pad / 8]`` give each
     8-row granule of the padded vector rows (``token * heads_pad + head``) its partial-state
     rows ``(slot * 16 + granule) * 8 + [0, 8)``, where slots ``>= A_cap`` are reduction slots
-    ``slot - A_cap``; -1: none (no history).
+    ``slot - A_cap``; -1: none (no history). ``new_lo [Tq_cap]``: query token ``t`` sees the
+    step's new KV rows ``[new_lo[t], t]`` (its request's new tokens up to itself; ``t + 1``
+    past the last token: none), for the bad-data marks of the new ``V``.
     """
 
     attn: np.ndarray
@@ -118,6 +120,7 @@ class EngineTables(NamedTuple):
     cta_off: np.ndarray
     chunk_src: np.ndarray
     hist_src: np.ndarray
+    new_lo: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,8 +415,10 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
     shape = EngineShape(num_ctas=G, dcp=P, hq=hq, heads=H, final=final, block_kv=bkv,
                         attn_cap=A_cap, red_cap=U_cap, in_cap=I_cap, tq_cap=tq_cap,
                         hist_rows=hist_rows, new_rows=new_rows)
+    new_lo = np.arange(1, tq_cap + 1, dtype=np.int64)
+    new_lo[:n_q] = np.repeat(q_off, qlen)
     tables = EngineTables(attn, red, red_in, cta_off, chunk_src.astype(np.int32),
-                          hist_src.astype(np.int32))
+                          hist_src.astype(np.int32), new_lo.astype(np.int32))
     return EnginePlan(shape, tables, A, U, est_busy)
 
 

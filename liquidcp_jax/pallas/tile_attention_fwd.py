@@ -140,6 +140,7 @@ class StepCtx(NamedTuple):
   named_sched: bool
   wg: Any
   row_div: int = 1  # causal rule uses tile row r // row_div (MegaDCP engine: heads per token)
+  zero_v: Any = None  # traced bool: masked tiles' V rows outside [kv_lo, kv_hi) -> 0 (see below)
 
   @property
   def uses_named_barrier(self) -> bool:
@@ -230,6 +231,8 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   p16 = p.astype(cx.dtype)
   acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
   plgpu.barrier_wait(cx.v_bar.at[slot])
+  if masked and cx.zero_v is not None:
+    pl.when(cx.zero_v)(lambda: zero_v_rows(cx, slot, j))
   cx.sched_before_pv()
 
   def prefetch_wait():
@@ -258,6 +261,23 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
     acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
   cx.v_release.arrive(slot)
   return acc, m_new, l_i
+
+
+def zero_v_rows(cx: StepCtx, slot, j):
+  """Zeroes the V rows of tile ``j`` (in ring slot ``slot``) outside the task's keys
+  ``[kv_lo, kv_hi)``, in SMEM, before P V. A masked key has probability 0, but 0 * NaN is NaN:
+  where a tile holds another sequence's rows (the MegaDCP engine's history tiles), a bad value
+  there would reach this task's rows. Both compute warpgroups write the same values (zeros, or
+  the row unchanged), so neither needs to wait for the other; 64 rows at a time bound the
+  registers."""
+  half = min(cx.bkv, 64)
+  for h in range(cx.bkv // half):
+    ref = cx.v_smem.at[slot, pl.ds(h * half, half)]
+    v = plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+    kk = (plgpu.broadcasted_iota(jnp.int32, (half, cx.d), 0, layout=plgpu.Layout.WGMMA)
+          + (j * cx.bkv + h * half))
+    ref[...] = jnp.where((kk >= cx.kv_lo) & (kk < cx.kv_hi), v, 0.0)
+  plgpu.commit_smem()   # the generic-proxy writes, before the async-proxy wgmma reads them
 
 
 def state_load(o_in_ref, l_in_ref, rows, head, o_smem, lse_smem, bar):
