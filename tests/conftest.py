@@ -1,4 +1,6 @@
+import faulthandler
 import os
+import signal
 import zlib
 
 # An 8-device mesh emulated on the CPU; must be set before jax is imported.
@@ -8,6 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLI and the examples turn JAX's persistent compilation cache on; tests leave the user's
 # cache alone unless they ask for one (LIQUIDCP_CACHE_DIR=<dir> in a test's environment).
 os.environ.setdefault("LIQUIDCP_CACHE_DIR", "off")
+
+# A hung run can be asked where it is: `kill -USR1 <pytest or xdist worker pid>` prints every
+# thread's stack to stderr (pyproject's faulthandler_timeout prints them after 15 min anyway).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

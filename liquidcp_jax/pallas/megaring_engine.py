@@ -44,14 +44,15 @@ compute launch (:func:`peer_compute_launch`) is the staged one over local rows (
 input, no peer memory). The backward: ``megaring_engine_bwd.peer_backward_rank`` /
 ``peer_return``. Lowered for sm_90a on the CPU; never run on GPUs.
 
-Not tuned, and the fused form not yet run: no KV pipelining or ping-pong (one warpgroup,
-synchronous TMA per tile), the scan reads every segment's counters per claim, one head per
-launch, forward only. The fused launch lowers for sm_90a on the CPU;
-``tests/test_megaring_engine_gpu.py`` holds its GPU tests (float64 reference, pairs counted
-through the LSE with zero queries, perturbed arrival orders), never run.
-Open risk to check there: the running state is written by TMA (async proxy) in one CTA and read by
-TMA in the next lock holder, ordered by the lock's release / acquire after
-``wait_smem_to_gmem(0)``, the collective-matmul pattern.
+Status: the fused and staged forward passed their GPU tests on an H200 (2026-12-05; float64
+reference, pairs counted through the LSE with zero queries, perturbed arrival orders); the
+backward is :mod:`megaring_engine_bwd` / ``_bwd_fused``. K / V of a task's tiles load in two
+stages (tile ``i + 1`` while tile ``i`` computes; since 2026-12-05, third session, checked in the
+interpreter and lowered, not yet run on the GPU). Not tuned: one warpgroup per CTA (no
+ping-pong), each 64-row half of a Q tile reads the task's K / V tiles again, the scan reads every
+segment's counters per claim, one head per launch. The running state is written by TMA (async
+proxy) in one CTA and read by TMA in the next lock holder, ordered by the lock's release /
+acquire after ``wait_smem_to_gmem(0)``, the collective-matmul pattern.
 """
 from __future__ import annotations
 
@@ -428,7 +429,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             warpgroup semantics)."""
             return plgpu.layout_cast(lax.broadcast_in_dim(x, shape, ()), layout)
 
-        def scoped(kv_buf, xbar, scr, q_smem, k_smem, v_smem, o_smem, l_smem, kvbar, qbar,
+        def scoped(xbar, scr, q_smem, k_smem, v_smem, o_smem, l_smem, kbar, vbar, qbar,
                    qmeta, kmeta, mbar, sbar, p_smem):
             def communicate():
                 """Workers only: transfers in host order, then inserts."""
@@ -445,11 +446,13 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     def _():   # injected per-transfer delay (tests: perturbed arrival orders)
                         pl.delay(delay_ref[i])
 
+                    # staged through the compute's first K / V stage (free until compute)
+                    kv_buf = (k_smem.at[0], v_smem.at[0])
                     for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
-                        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], kv_buf.at[j], xbar.at[j])
+                        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], kv_buf[j], xbar.at[j])
                     for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
                         plgpu.barrier_wait(xbar.at[j])
-                        plgpu.copy_smem_to_gmem(kv_buf.at[j], d_ref.at[pl.ds(dst, B)])
+                        plgpu.copy_smem_to_gmem(kv_buf[j], d_ref.at[pl.ds(dst, B)])
                     plgpu.wait_smem_to_gmem(0)   # K and V fully written: insert the tile
                     recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
 
@@ -509,8 +512,9 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 qs = plgpu.load(qmeta.at[0], layout=row_l)
                 qp = plgpu.load(qmeta.at[1], layout=row_l)
 
-                def tile(i, carry):
-                    acc, m_i, l_i = carry
+                def issue(i, st):
+                    """TMA loads of logical tile ``i`` into stage ``st``: K, its keys' sequence
+                    ids and positions on ``kbar[st]`` (3 arrivals), V on ``vbar[st]``."""
                     local = i < nl
                     b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
                     mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
@@ -524,27 +528,35 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     if peer_axis is not None:   # local K / V / receive rows of this device
                         lrow, rrow = b * B, jnp.maximum(slot, 0) * B
 
-                    @pl.when(local)
-                    def _():
-                        plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(pl.multiple_of(lrow, 8), B)], k_smem, kvbar.at[0])
-                        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(pl.multiple_of(lrow, 8), B)], v_smem, kvbar.at[1])
+                    for src_k, src_v, row in ((k_ref, v_ref, lrow), (rk_ref, rv_ref, rrow)):
+                        @pl.when(local if src_k is k_ref else ~local)
+                        def _():
+                            rows = pl.ds(pl.multiple_of(row, 8), B)
+                            plgpu.copy_gmem_to_smem(src_k.at[rows], k_smem.at[st], kbar.at[st])
+                            plgpu.copy_gmem_to_smem(src_v.at[rows], v_smem.at[st], vbar.at[st])
 
-                    @pl.when(~local)
-                    def _():
-                        plgpu.copy_gmem_to_smem(rk_ref.at[pl.ds(pl.multiple_of(rrow, 8), B)], k_smem, kvbar.at[0])
-                        plgpu.copy_gmem_to_smem(rv_ref.at[pl.ds(pl.multiple_of(rrow, 8), B)], v_smem, kvbar.at[1])
+                    mrow = pl.ds(pl.multiple_of(meta, 8), B)
+                    plgpu.copy_gmem_to_smem(tok_seq_ref.at[mrow], kmeta.at[st, 0], kbar.at[st])
+                    plgpu.copy_gmem_to_smem(tok_pos_ref.at[mrow], kmeta.at[st, 1], kbar.at[st])
 
-                    mrow = pl.multiple_of(meta, 8)
-                    plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(mrow, B)], kmeta.at[0], mbar.at[2])
-                    plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(mrow, B)], kmeta.at[1], mbar.at[3])
-                    plgpu.barrier_wait(mbar.at[2])
-                    plgpu.barrier_wait(mbar.at[3])
-                    ks = plgpu.load(kmeta.at[0], layout=col_l)
-                    kp = plgpu.load(kmeta.at[1], layout=col_l)
-                    plgpu.barrier_wait(kvbar.at[0])
+                @pl.when(e0 > c0)
+                def _():
+                    issue(c0, 0)
+
+                def tile(i, carry):
+                    acc, m_i, l_i = carry
+                    st = lax.rem(i - c0, 2)
+
+                    @pl.when(i + 1 < e0)
+                    def _():   # the other stage's tile (i - 1) is done: prefetch i + 1 into it
+                        issue(i + 1, 1 - st)
+
+                    plgpu.barrier_wait(kbar.at[st])
+                    ks = plgpu.load(kmeta.at[st, 0], layout=col_l)
+                    kp = plgpu.load(kmeta.at[st, 1], layout=col_l)
 
                     def qk(s_ref):
-                        plgpu.wgmma(s_ref, q_smem, k_smem.T)
+                        plgpu.wgmma(s_ref, q_smem, k_smem.at[st].transpose((1, 0)))
                         return s_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((_BQ, B), jnp.float32)) * scale2
@@ -562,20 +574,20 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     p = jnp.exp2(s - lax.broadcast_in_dim(m_use, shape, [0]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + p.sum(axis=1)
-                    plgpu.barrier_wait(kvbar.at[1])
+                    plgpu.barrier_wait(vbar.at[st])
 
                     if interpret:   # no register-LHS wgmma in the interpreter: stage P
                         p_smem[...] = p.astype(dtype)
                         plgpu.commit_smem()
 
                         def pv_scope(ref):
-                            plgpu.wgmma(ref, p_smem, v_smem)
+                            plgpu.wgmma(ref, p_smem, v_smem.at[st])
                             return ref[...]
 
                         acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((_BQ, D), jnp.float32))
                     else:
                         def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p.astype(dtype), v_smem)
+                            plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[st])
 
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     return acc, m_new, l_i
@@ -664,14 +676,16 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             else:
                 lax.while_loop(lambda d: d == 0, claim_step, jnp.int32(0))
 
+        # K / V in two stages: tile i + 1 loads while tile i computes.
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((2, B, D), dtype), plgpu.Barrier(num_barriers=2), plgpu.SMEM((1,), jnp.int32),
-            plgpu.SMEM((_BQ, D), dtype, transforms=tf), plgpu.SMEM((B, D), dtype, transforms=tf),
-            plgpu.SMEM((B, D), dtype, transforms=tf), plgpu.SMEM((_BQ, D), jnp.float32),
-            plgpu.SMEM((_BQ,), jnp.float32), plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
-            plgpu.SMEM((2, _BQ), jnp.int32), plgpu.SMEM((2, B), jnp.int32),
-            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2), plgpu.SMEM((1,), jnp.int32),
+            plgpu.SMEM((_BQ, D), dtype, transforms=tf), plgpu.SMEM((2, B, D), dtype, transforms=tf),
+            plgpu.SMEM((2, B, D), dtype, transforms=tf), plgpu.SMEM((_BQ, D), jnp.float32),
+            plgpu.SMEM((_BQ,), jnp.float32), plgpu.Barrier(num_arrivals=3, num_barriers=2),
+            plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
+            plgpu.SMEM((2, _BQ), jnp.int32), plgpu.SMEM((2, 2, B), jnp.int32),
+            plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
             plgpu.SMEM((_BQ, B), dtype, transforms=tf) if interpret else None)
 
     causal_flag = True
@@ -693,8 +707,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
 
 def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
                    ctas_per_rank: int, delay_ns=None):
-    """The fused forward engine on emulated ranks (GPU only; a skeleton: lowered on the CPU, never
-    run yet). One head: ``q, k, v [P * C, D]`` stacked in the plan's CP layout (bf16 / f16,
+    """The fused forward engine on emulated ranks (GPU only; its GPU tests passed on an H200,
+    2026-12-05). One head: ``q, k, v [P * C, D]`` stacked in the plan's CP layout (bf16 / f16,
     ``D`` 64 or 128, tiles of ``B`` = 64 or 128 rows). Causal tables only.
 
     ``delay_ns``: optional ``(n_xfer,)`` nanoseconds a worker sleeps before each transfer, in

@@ -1,5 +1,6 @@
 """MegaRing engine backward on Hopper, emulated ranks: the fused form (atomics, completion
-counters). GPU only; lowered for sm_90a on the CPU, never run.
+counters). GPU only; lowered for sm_90a on the CPU, and its GPU tests (float64 reference) passed
+on an H200 (2026-12-05).
 
 **What runs** (:func:`backward_fused`): one launch of ``G = P * ctas_per_rank`` CTAs of one
 warpgroup, CTA ``c`` serving rank ``c % P``, over the tables of
@@ -35,10 +36,10 @@ tiles of 64 / 128, ``recv`` the forward's receive buffers ``(rk, rv)``), plus
 ``ctas_per_rank``. Returns ``dq, dk, dv [P * C, D]`` in ``q.dtype``; rows of tiles without any
 contribution are left unwritten.
 
-Open risks to check on a GPU (why "never run" matters): the accumulators are written by TMA
-reduce-add (async proxy) and the counters released by a generic-proxy atomic after
-``wait_smem_to_gmem(0)``; the finalization reads them by TMA after an acquire wait (the same
-pattern as the fused forward's merge). No test has run either.
+Memory ordering: the accumulators are written by TMA reduce-add (async proxy) and the counters
+released by a generic-proxy atomic after ``wait_smem_to_gmem(0)``; the finalization reads them by
+TMA after an acquire wait (the same pattern as the fused forward's merge; what the GPU tests
+exercise).
 """
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def _build_fused(P: int, K: int, n: int, B: int, D: int, dtype_name: str, causal
 def backward_fused(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, *,
                    scale: float, ctas_per_rank: int, recv=None):
     """dQ, dK, dV ``[P * C, D]`` of the engine's attention on emulated ranks, the fused form
-    (module docstring; GPU only, never run). ``recv``: the forward's receive buffers ``(rk, rv)``
+    (module docstring; GPU only). ``recv``: the forward's receive buffers ``(rk, rv)``
     (default: a staged transfer launch of ``k`` and ``v``)."""
     from liquidcp_jax.pallas.megaring_engine import transfer_launch
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
