@@ -27,9 +27,11 @@ loop; a CTA's only waits are on its own TMA barriers. The launch starts after th
 (or the forward) completed, so every receive slot a task reads is written.
 
 **Status.** Runs in the Mosaic GPU interpreter (``interpret=True``; float32 there too, checked
-against float64 in ``tests/test_megaring_engine_bwd.py``) and lowers for sm_90a (bf16 / f16); not
-yet run on a GPU (``tests/test_megaring_engine_bwd_gpu.py``). Not tuned: one warpgroup, synchronous
-TMA, no pipelining, Q / dO reloaded for each 64-key half, dQ parts written per (entry, key half).
+against float64 in ``tests/test_megaring_engine_bwd.py``), lowers for sm_90a (bf16 / f16), and
+its GPU tests (``tests/test_megaring_engine_bwd_gpu.py``) passed on an H200 (2026-12-05). The
+query side loads in two stages (since 2026-12-05, third session; interpreter and lowering only,
+not yet on the GPU). Not tuned: one warpgroup, the K / V half loaded synchronously, Q / dO
+reloaded for each 64-key half, dQ parts written per (entry, key half).
 
 **Arguments** (one head; ``P`` ranks, ``C = n * B`` rows per rank, ``R`` receive tiles per rank,
 ``D`` head dim): ``q, k, v, out, do [P * C, D]`` stacked in the plan's CP layout (``out`` the
@@ -169,11 +171,13 @@ class Ins(NamedTuple):
 def scratch(D: int, dtype, interpret: bool):
     """The SMEM of :class:`Bufs` (``pl.run_scoped`` arguments, in field order)."""
     tf = _transforms(dtype)
-    op = lambda: plgpu.SMEM((_H, D), dtype, transforms=tf)  # noqa: E731
-    return (op(), op(), op(), op(), plgpu.SMEM((_H, _H), dtype, transforms=tf),
-            plgpu.SMEM((_H, D), jnp.float32), plgpu.SMEM((2, _H), jnp.float32),
-            plgpu.SMEM((2, _H), jnp.int32), plgpu.SMEM((2, _H), jnp.int32),
-            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=6),
+    op = lambda *st: plgpu.SMEM(st + (_H, D), dtype, transforms=tf)  # noqa: E731
+    # The query side (Q, dO, lse2 / delta, ids / positions) in two stages: the next (entry,
+    # half) loads while this one computes; qbar[stage] counts its 6 copies.
+    return (op(), op(), op(2), op(2), plgpu.SMEM((_H, _H), dtype, transforms=tf),
+            plgpu.SMEM((_H, D), jnp.float32), plgpu.SMEM((2, 2, _H), jnp.float32),
+            plgpu.SMEM((2, _H), jnp.int32), plgpu.SMEM((2, 2, _H), jnp.int32),
+            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_arrivals=6, num_barriers=2),
             plgpu.SMEM((_H, _H), dtype, transforms=tf) if interpret else None)
 
 
@@ -215,22 +219,33 @@ def key_half(s: Bufs, r: Ins, *, remote, kv_row, meta_row, e0, ne, hk, B, D, dty
     ks = plgpu.load(s.kmeta.at[0], layout=row_l)
     kp = plgpu.load(s.kmeta.at[1], layout=row_l)
 
+    def q_issue(e, hq, st):
+        """TMA loads of entry ``e``'s query half ``hq`` into stage ``st``."""
+        qrow = pl.multiple_of(r.ent[e, 0] + hq * _H, 8)
+        for src, dst in ((r.q, s.q.at[st]), (r.do, s.do.at[st]), (r.lse, s.qf.at[st, 0]),
+                         (r.dl, s.qf.at[st, 1]), (r.seq, s.qmeta.at[st, 0]),
+                         (r.pos, s.qmeta.at[st, 1])):
+            plgpu.copy_gmem_to_smem(src.at[pl.ds(qrow, _H)], dst, s.qbar.at[st])
+
+    pl.when(ne > 0)(lambda: q_issue(e0, 0, 0))
+
     def entry(e, carry):
         dk, dv = carry
         # the entry's sequence as a WGMMA array (no implicit broadcasts in warpgroup semantics)
         sid = plgpu.layout_cast(lax.broadcast_in_dim(r.ent[e, 1], shape, ()), plgpu.Layout.WGMMA)
         for hq in range(nh):
-            qrow = pl.multiple_of(r.ent[e, 0] + hq * _H, 8)
-            srcs = ((r.q, s.q), (r.do, s.do), (r.lse, s.qf.at[0]), (r.dl, s.qf.at[1]),
-                    (r.seq, s.qmeta.at[0]), (r.pos, s.qmeta.at[1]))
-            for i, (src, dst) in enumerate(srcs):
-                plgpu.copy_gmem_to_smem(src.at[pl.ds(qrow, _H)], dst, s.qbar.at[i])
-            for i in range(len(srcs)):
-                plgpu.barrier_wait(s.qbar.at[i])
-            qs = plgpu.load(s.qmeta.at[0], layout=col_l)
-            qp = plgpu.load(s.qmeta.at[1], layout=col_l)
-            lse2 = plgpu.load(s.qf.at[0], layout=col_l)
-            dlt = plgpu.load(s.qf.at[1], layout=col_l)
+            st = lax.rem((e - e0) * nh + hq, 2)
+            # prefetch the next (entry, half) into the other stage: its last reader is done
+            if hq + 1 < nh:
+                q_issue(e, hq + 1, 1 - st)
+            else:
+                pl.when(e + 1 < e0 + ne)(lambda: q_issue(e + 1, 0, 1 - st))  # noqa: B023
+            plgpu.barrier_wait(s.qbar.at[st])
+            q_s, do_s = s.q.at[st], s.do.at[st]
+            qs = plgpu.load(s.qmeta.at[st, 0], layout=col_l)
+            qp = plgpu.load(s.qmeta.at[st, 1], layout=col_l)
+            lse2 = plgpu.load(s.qf.at[st, 0], layout=col_l)
+            dlt = plgpu.load(s.qf.at[st, 1], layout=col_l)
             ok = ((lax.broadcast_in_dim(ks, shape, [0]) == sid)
                   & (lax.broadcast_in_dim(qs, shape, [1]) == sid))
             if causal:
@@ -241,11 +256,11 @@ def key_half(s: Bufs, r: Ins, *, remote, kv_row, meta_row, e0, ne, hk, B, D, dty
                 st = st * scale2 - lax.broadcast_in_dim(lse2, shape, [1])
                 return jnp.where(ok, jnp.exp2(jnp.where(ok, st, 0.0)), 0.0)
 
-            pt, dpt = mm_t_pair(s.k, s.q, s.v, s.do, shape, probs_t)
+            pt, dpt = mm_t_pair(s.k, q_s, s.v, do_s, shape, probs_t)
             ds = jnp.where(ok, pt * (dpt - lax.broadcast_in_dim(dlt, shape, [1])), 0.0)
             ds = ds.astype(dtype)
-            dv = mm_reg_lhs(dv, pt.astype(dtype), s.do, s.p, interpret)
-            dk = mm_reg_lhs(dk, ds, s.q, s.p, interpret)
+            dv = mm_reg_lhs(dv, pt.astype(dtype), do_s, s.p, interpret)
+            dk = mm_reg_lhs(dk, ds, q_s, s.p, interpret)
             s.ds[...] = ds            # dS^T, read transposed: dQ_part = dS K
             plgpu.commit_smem()
 

@@ -162,9 +162,9 @@ def _build_fused(P: int, K: int, n: int, B: int, D: int, dtype_name: str, causal
                                 plgpu.barrier_wait(s.kbar.at[0])
                                 val = plgpu.load(s.f, layout=plgpu.Layout.WGMMA) * mul
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                s.q[...] = val.astype(dtype)
+                                s.q.at[0][...] = val.astype(dtype)
                                 plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(s.q, dst.at[rows])
+                                plgpu.copy_smem_to_gmem(s.q.at[0], dst.at[rows])
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             def queue(which, off_ref, body):
