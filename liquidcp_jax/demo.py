@@ -79,7 +79,8 @@ def run(args) -> int:
     import numpy as np
 
     import liquidcp_jax as lcp
-    from liquidcp_jax import placement as placement_lib, reference as ref
+    from liquidcp_jax import placement as placement_lib
+    from liquidcp_jax.reference.packed_check import PackedCheck
     from liquidcp_jax.workloads import sample_batch
 
     devs = jax.devices("cpu") if args.cpu else jax.devices()
@@ -122,15 +123,15 @@ def run(args) -> int:
     t_run = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, do)]
+    f64 = dict(zip(("q", "k", "v", "do"), (np.asarray(x.astype(jnp.float32), np.float64)
+                                           for x in (q, k, v, do))))
+    check = PackedCheck(lengths, lambda name, heads: f64[name][:, heads], hq, hkv,
+                        np.random.default_rng(args.seed + 1),
+                        full={"auto": None, "full": True, "sampled": False}[args.check])
     got = [np.asarray(x.astype(jnp.float32)) for x in (out, *grads)]
-    mode = args.check
-    if mode == "auto":
-        mode = "full" if sum(L * L for L in lengths) * hq <= FULL_CHECK_PAIRS else "sampled"
-    if mode == "full":
-        errs, what = _full_errors(ref, f64, got, lengths), "whole batch"
-    else:
-        errs, what = _sampled_errors(ref, f64, got, lengths, hq, hkv, np.random.default_rng(args.seed + 1))
+    errs = check.errors({name: x[:, check.ks if name in ("dk", "dv") else check.hs]
+                         for name, x in zip(("out", "dq", "dk", "dv"), got)})
+    what = check.what
     t_check = time.perf_counter() - t0
 
     loads = plan.local_loads()
@@ -162,51 +163,6 @@ def run(args) -> int:
     ok = all(e < tol for e in errs.values())
     print("  OK" if ok else "  FAILED: error above threshold")
     return 0 if ok else 1
-
-
-FULL_CHECK_PAIRS = 2 ** 28      # sum(L^2) * Hq of a dense float64 check that takes seconds
-SUBSET_CHECK_PAIRS = 2 ** 25    # sum(L^2) * (Hq / Hkv) of the sampled check's dense sub-batch
-ROWS_PER_SEQUENCE = 8
-
-
-def _full_errors(ref, f64, got, lengths):
-    ro, _ = ref.attention_reference(*f64[:3], lengths)
-    rg = ref.attention_reference_vjp(*f64, lengths)
-    return {"out": ref.rel_error(got[0], ro), **{f"d{n}": ref.rel_error(g, r) for n, g, r in zip("qkv", got[1:], rg)}}
-
-
-def _sampled_errors(ref, f64, got, lengths, hq, hkv, rng):
-    """Errors on one KV-head group: whole sequences within a pair budget + sampled rows of all sequences."""
-    import numpy as np
-    q, k, v, do = f64
-    out, dq, dk, dv = got
-    rep = hq // hkv
-    g = int(rng.integers(hkv))
-    hs, ks = slice(g * rep, (g + 1) * rep), slice(g, g + 1)
-    off = np.concatenate([[0], np.cumsum(lengths)])
-    chosen, used = [], 0
-    for i in rng.permutation(len(lengths)):
-        if used + lengths[i] ** 2 * rep <= SUBSET_CHECK_PAIRS:
-            chosen.append(int(i))
-            used += lengths[i] ** 2 * rep
-    chosen.sort()
-    tok = np.concatenate([np.arange(off[i], off[i + 1]) for i in chosen]) if chosen else np.zeros(0, int)
-    sub = [lengths[i] for i in chosen]
-    errs = {}
-    if chosen:
-        ro, _ = ref.attention_reference(q[tok][:, hs], k[tok][:, ks], v[tok][:, ks], sub)
-        rg = ref.attention_reference_vjp(q[tok][:, hs], k[tok][:, ks], v[tok][:, ks], do[tok][:, hs], sub)
-        errs["out"] = ref.rel_error(out[tok][:, hs], ro)
-        for n, x, r in zip("qkv", (dq[tok][:, hs], dk[tok][:, ks], dv[tok][:, ks]), rg):
-            errs[f"d{n}"] = ref.rel_error(x, r)
-    rows = np.concatenate([np.unique(np.append(rng.integers(off[i], off[i + 1], ROWS_PER_SEQUENCE), off[i + 1] - 1))
-                           for i in range(len(lengths))])
-    ro, _, rdq = ref.attention_reference_rows(q[:, hs], k[:, ks], v[:, ks], do[:, hs], lengths, rows)
-    errs["out(rows)"] = ref.rel_error(out[rows][:, hs], ro)
-    errs["dq(rows)"] = ref.rel_error(dq[rows][:, hs], rdq)
-    what = (f"sampled: KV head {g} (query heads {hs.start}-{hs.stop - 1}); {len(chosen)} of {len(lengths)} "
-            f"sequences whole ({len(tok)} tokens), {len(rows)} rows over all sequences")
-    return errs, what
 
 
 if __name__ == "__main__":

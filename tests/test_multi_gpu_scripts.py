@@ -83,8 +83,9 @@ def test_packed_check_sampled_mode_detects_errors(monkeypatch):
          "v": rng.standard_normal((T, hkv, d)), "do": rng.standard_normal((T, hq, d))}
     ro, _ = ref.attention_reference(x["q"], x["k"], x["v"], lengths)
     dq, dk, dv = ref.attention_reference_vjp(x["q"], x["k"], x["v"], x["do"], lengths)
-    monkeypatch.setattr(C, "FULL_CHECK_PAIRS", 0)
-    monkeypatch.setattr(C, "SUBSET_CHECK_PAIRS", 130 ** 2 * 2)   # the long sequence is checked by rows only
+    from liquidcp_jax.reference import packed_check as pc
+    monkeypatch.setattr(pc, "FULL_CHECK_PAIRS", 0)
+    monkeypatch.setattr(pc, "SUBSET_CHECK_PAIRS", 130 ** 2 * 2)   # the long sequence: rows only
     chk = C.PackedCheck(lengths, lambda n, h: x[n][:, h], hq, hkv, rng)
     assert not chk.full and chk.hs.stop - chk.hs.start == 2
     good = {"out": ro[:, chk.hs], "dq": dq[:, chk.hs], "dk": dk[:, chk.ks], "dv": dv[:, chk.ks]}

@@ -74,25 +74,34 @@ def test_demo_sampled_check_in_process(capsys):
     assert "sampled: KV head" in out and "dq(rows)=" in out and "OK" in out
 
 
-def test_sampled_check_detects_errors(rng):
-    from liquidcp_jax import demo, reference as ref
+def test_sampled_check_detects_errors(rng, monkeypatch):
+    """The demo's sampled float64 check (``reference.packed_check``) on a forced sample."""
+    from liquidcp_jax import reference as ref
+    from liquidcp_jax.reference import packed_check as pc
     lengths = [300, 1, 45, 120]
     T, hq, hkv, d = sum(lengths), 4, 2, 8
-    q, do = rng.standard_normal((T, hq, d)), rng.standard_normal((T, hq, d))
-    k, v = rng.standard_normal((T, hkv, d)), rng.standard_normal((T, hkv, d))
-    got = [ref.attention_reference(q, k, v, lengths)[0], *ref.attention_reference_vjp(q, k, v, do, lengths)]
-    errs, _ = demo._sampled_errors(ref, [q, k, v, do], got, lengths, hq, hkv, np.random.default_rng(0))
-    assert set(errs) >= {"out", "dq", "dk", "dv", "out(rows)", "dq(rows)"} and max(errs.values()) < 1e-12
+    x = {"q": rng.standard_normal((T, hq, d)), "do": rng.standard_normal((T, hq, d)),
+         "k": rng.standard_normal((T, hkv, d)), "v": rng.standard_normal((T, hkv, d))}
+    ro = ref.attention_reference(x["q"], x["k"], x["v"], lengths)[0]
+    dq, dk, dv = ref.attention_reference_vjp(x["q"], x["k"], x["v"], x["do"], lengths)
+
+    def check():
+        c = pc.PackedCheck(lengths, lambda n, h: x[n][:, h], hq, hkv, np.random.default_rng(0),
+                           full=False)
+        return c, lambda o, g: c.errors({"out": o[:, c.hs], "dq": g[:, c.hs], "dk": dk[:, c.ks],
+                                         "dv": dv[:, c.ks]})
+
+    c, errs = check()
+    e = errs(ro, dq)
+    assert set(e) >= {"out(seqs)", "dq(seqs)", "dk(seqs)", "dv(seqs)", "out(rows)", "dq(rows)"}
+    assert max(e.values()) < 1e-12
     # The longest sequence's last rows are always among the sampled rows, even when the sequence is
     # too long for the whole-sequence subset.
-    bad = [x.copy() for x in got]
-    bad[0][299] += 1.0
-    bad[1][299] += 1.0
-    old = demo.SUBSET_CHECK_PAIRS
-    try:
-        demo.SUBSET_CHECK_PAIRS = 200 ** 2
-        errs, what = demo._sampled_errors(ref, [q, k, v, do], bad, lengths, hq, hkv, np.random.default_rng(0))
-    finally:
-        demo.SUBSET_CHECK_PAIRS = old
-    assert "3 of 4 sequences" in what
-    assert errs["out(rows)"] > 1e-2 and errs["dq(rows)"] > 1e-2 and errs["out"] < 1e-12
+    bad_o, bad_q = ro.copy(), dq.copy()
+    bad_o[299] += 1.0
+    bad_q[299] += 1.0
+    monkeypatch.setattr(pc, "SUBSET_CHECK_PAIRS", 200 ** 2)
+    c, errs = check()
+    e = errs(bad_o, bad_q)
+    assert "3 of 4 sequences" in c.what
+    assert e["out(rows)"] > 1e-2 and e["dq(rows)"] > 1e-2 and e["out(seqs)"] < 1e-12

@@ -60,7 +60,7 @@ from liquidcp_jax.pallas import megadcp_engine_profile as prof_lib
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 from liquidcp_jax.pallas.common import (LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params,
                                         ladder_store, masked_split_loop, swizzled)
-from liquidcp_jax.pallas.sync import RingRelease
+from liquidcp_jax.pallas.sync import RingRelease, acquire_slot
 from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -252,14 +252,7 @@ def _attention_phase(cx_static, refs, bars, sems):
 
                 @pl.loop(0, n_tiles)
                 def _(j):
-                    c = c0 + j
-                    slot = lax.rem(c, jnp.int32(mcs))
-
-                    @pl.when(c >= mcs)
-                    def _():
-                        k_release.wait(slot)
-                        v_release.wait(slot)
-
+                    slot = acquire_slot(c0 + j, mcs, k_release, v_release)
                     rows = pl.ds(base + j * bkv, bkv)
                     for src_kind, k_ref, v_ref in ((0, kn_ref, vn_ref), (1, kh_ref, vh_ref)):
                         @pl.when(kind == src_kind)

@@ -820,6 +820,15 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     task, task_off = staged_tasks(tb, sim["claims"], num_ctas)
     rk = transfer_launch(k, tb, geom, interpret=interpret)
     rv = transfer_launch(v, tb, geom, interpret=interpret)
+    call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret)
+    outs = call(*tabs, q, k, v, rk, rv)
+    return outs[0], outs[2]
+
+
+def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
+                    peer_axis=None):
+    """The staged compute launch and its table arguments (the forward tables, the task lists and
+    the protocol run's commit map, 1-based with a 0 sentinel)."""
     t = forward_tables(tb, geom)
     t["delay"] = np.zeros(1, np.int32)
     smap = np.asarray(sim["map"], np.int64) + 1
@@ -828,11 +837,10 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
                           geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
                           jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
                           max(tb.map_size, 1), max(len(tb.seg), 1), staged=True,
-                          interpret=bool(interpret))
+                          interpret=bool(interpret), peer_axis=peer_axis)
     pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
-    outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), jnp.asarray(pad(task)),
-                jnp.asarray(task_off), jnp.asarray(smap), q, k, v, rk, rv)
-    return outs[0], outs[2]
+    return call, tuple(jnp.asarray(x) for x in ([t[name] for name in _FWD_TABLES]
+                                                + [pad(task), task_off, smap]))
 
 
 def peer_staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
@@ -877,19 +885,10 @@ def peer_compute_launch(q, k, v, rk, rv, tb: ep.EngineTables, tr: PeerTransport,
     if sim is None:
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
     task, task_off = peer_staged_tasks(tb, sim["claims"], num_ctas)
-    t = forward_tables(tb, geom)
-    t["delay"] = np.zeros(1, np.int32)
-    smap = np.asarray(sim["map"], np.int64) + 1
-    smap = np.concatenate([smap, np.zeros(1, np.int64)]).astype(np.int32)
-    call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
-                          geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
-                          jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
-                          max(tb.map_size, 1), max(len(tb.seg), 1), staged=True,
-                          interpret=bool(interpret), peer_axis=tr.axis_name)
-    pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
+    call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
+                                 peer_axis=tr.axis_name)
     if rank is None:
         rank = lax.axis_index(tr.axis_name)
     rank = jnp.full((1,), rank, jnp.int32)
-    outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), jnp.asarray(pad(task)),
-                jnp.asarray(task_off), jnp.asarray(smap), q, k, v, rk, rv, rank)
+    outs = call(*tabs, q, k, v, rk, rv, rank)
     return outs[0], outs[2]

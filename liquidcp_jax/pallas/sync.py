@@ -8,9 +8,12 @@ kernels that never share a CTA may reuse ids.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -112,3 +115,37 @@ class RingRelease(NamedTuple):
     else:
       named_barrier("sync", self.named_base + slot, 3 * 128)
 
+
+def produce_ring(issue, n_tiles, mcs: int, k_release: RingRelease, v_release: RingRelease):
+  """A producer filling one task's KV ring (the ring restarts per task): tiles ``0 .. mcs - 1``
+  at once, tile ``j`` once slot ``j % mcs`` is released, then it observes the last
+  consumptions, so every barrier phase is seen before teardown. ``issue(j, slot)`` issues tile
+  ``j``'s TMA loads."""
+  for i in range(mcs):
+    pl.when(i < n_tiles)(functools.partial(issue, i, i))
+
+  @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
+  def _(j):
+    slot = lax.rem(j, jnp.int32(mcs))
+    k_release.wait(slot)
+    v_release.wait(slot)
+    issue(j, slot)
+
+  @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
+  def _(j):
+    slot = lax.rem(j, jnp.int32(mcs))
+    k_release.wait(slot)
+    v_release.wait(slot)
+
+
+def acquire_slot(c, mcs: int, k_release: RingRelease, v_release: RingRelease):
+  """A persistent KV ring (one ring across a CTA's tasks): the slot of the CTA's ``c``-th tile,
+  once its previous tile's consumers released it (from tile ``mcs`` on)."""
+  slot = lax.rem(c, jnp.int32(mcs))
+
+  @pl.when(c >= mcs)
+  def _():
+    k_release.wait(slot)
+    v_release.wait(slot)
+
+  return slot

@@ -27,7 +27,7 @@ from liquidcp_jax.pallas import heuristics
 from liquidcp_jax.pallas.common import (LOG2E, ROWS, SMEM_LIMIT, aligned, interpret_params,
                                         ladder_store, masked_split_loop, mm_reg_lhs,
                                         mm_reg_lhs_pair, mm_t_pair, swizzled, tile_mask)
-from liquidcp_jax.pallas.sync import RingRelease, bwd_ring_release
+from liquidcp_jax.pallas.sync import RingRelease, bwd_ring_release, produce_ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,21 +263,7 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
         plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_s.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_s.at[slot], v_bar.at[slot])
 
-      for i in range(mcs):
-        pl.when(i < n_tiles)(functools.partial(issue, i, i))
-
-      @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
-      def _(j):
-        slot = lax.rem(j, jnp.int32(mcs))
-        k_release.wait(slot)
-        v_release.wait(slot)
-        issue(j, slot)
-
-      @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
-      def _(j):
-        slot = lax.rem(j, jnp.int32(mcs))
-        k_release.wait(slot)
-        v_release.wait(slot)
+      produce_ring(issue, n_tiles, mcs, k_release, v_release)
 
   def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref):
     scratch = [

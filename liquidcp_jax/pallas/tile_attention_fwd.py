@@ -35,7 +35,7 @@ from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, SMEM_LIMIT, TASK_ROWS, aligned,
                                         interpret_params, ladder_store, masked_split_loop,
                                         swizzled)
-from liquidcp_jax.pallas.sync import FWD_SCHED, RingRelease, named_barrier
+from liquidcp_jax.pallas.sync import FWD_SCHED, RingRelease, named_barrier, produce_ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +263,26 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   return acc, m_new, l_i
 
 
+def forward_scratch(bq: int, d: int, mcs: int, bkv: int, dtype, out_dtype, interpret: bool,
+                    has_state: bool):
+  """``(smem, load barriers)`` of both forward kernels: the Q rows of each compute warpgroup, the
+  KV ring, each warpgroup's output stage (untiled: the row ladder slices it at any row) and LSE
+  stage, the interpreter's P stage; barriers K and V (per ring slot), Q (per warpgroup) and, with
+  a state, one per warpgroup for its two state loads (out, LSE)."""
+  tf = swizzled()
+  scratch = [
+      plgpu.SMEM((2, bq, d), dtype, transforms=tf),
+      plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+      plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
+      plgpu.SMEM((2, bq, d), out_dtype),
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
+  ]
+  s_bar = (plgpu.Barrier(num_arrivals=2, num_barriers=2),) if has_state else ()
+  return scratch, (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
+                   plgpu.Barrier(num_barriers=2)) + s_bar
+
+
 def zero_v_rows(cx: StepCtx, slot, j):
   """Zeroes the V rows of tile ``j`` (in ring slot ``slot``) outside the task's keys
   ``[kv_lo, kv_hi)``, in SMEM, before P V. A masked key has probability 0, but 0 * NaN is NaN:
@@ -414,39 +434,14 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
         plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
 
-      for i in range(mcs):
-        pl.when(i < n_tiles)(functools.partial(issue, i, i))
-
-      @pl.loop(mcs, jnp.maximum(n_tiles, mcs))
-      def _(j):
-        slot = lax.rem(j, jnp.int32(mcs))
-        k_release.wait(slot)
-        v_release.wait(slot)
-        issue(j, slot)
-
-      # Observe the last consumptions too, so every barrier phase is seen before teardown.
-      @pl.loop(jnp.maximum(n_tiles - mcs, 0), n_tiles)
-      def _(j):
-        k_release.wait(lax.rem(j, jnp.int32(mcs)))
-        v_release.wait(lax.rem(j, jnp.int32(mcs)))
+      produce_ring(issue, n_tiles, mcs, k_release, v_release)
 
   def entry(tab_ref, q_ref, k_ref, v_ref, *refs):
-    tf = swizzled()
-    scratch = [
-        plgpu.SMEM((2, bq, d), dtype, transforms=tf),
-        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
-        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
-        plgpu.SMEM((2, bq, d), out_dtype),  # untiled: the row ladder slices it at any row
-        plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
-    ]
-    # With a state: one barrier per warpgroup for its two state loads (out, LSE).
-    s_bar = (plgpu.Barrier(num_arrivals=2, num_barriers=2),) if has_state else ()
+    scratch, load_bars = forward_scratch(bq, d, mcs, bkv, dtype, out_dtype, interpret, has_state)
     pl.run_scoped(
         lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, *refs, a),
         scratch,
-        (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
-         plgpu.Barrier(num_barriers=2)) + s_bar,
+        load_bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),) * 2,
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",

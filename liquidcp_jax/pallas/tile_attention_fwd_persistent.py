@@ -31,10 +31,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, TASK_ROWS, interpret_params,
-                                        ladder_store, masked_split_loop, swizzled)
-from liquidcp_jax.pallas.sync import RingRelease
-from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, initial_carry,
-                                                   softmax_step, state_load, state_lse)
+                                        ladder_store, masked_split_loop)
+from liquidcp_jax.pallas.sync import RingRelease, acquire_slot
+from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, forward_scratch,
+                                                   initial_carry, softmax_step, state_load,
+                                                   state_lse)
 
 
 def num_sms(default: int = 132) -> int:
@@ -84,12 +85,14 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
     wg = lax.axis_index("wg")
 
     def item_fields(r):
+      """Round ``r``'s (live, task, head, table field getter, KV tiles: 0 unless live)."""
       item = item_of(cta, r, g_ctas)
       live = item < n_items
       item = jnp.minimum(item, n_items - 1)
       task = lax.div(item, jnp.int32(hq))
       head = item - task * hq
-      return live, task, head
+      get = lambda name: tab_ref[task, fld[name]]  # noqa: E731
+      return live, task, head, get, jnp.where(live, get("n_tiles"), 0)
 
     @pl.when(wg < 2)
     def _compute():
@@ -99,9 +102,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       lse_smem = lse_smem2.at[wg]
 
       def run_item(r, c0):
-        live, task, head = item_fields(r)
-        get = lambda name: tab_ref[task, fld[name]]
-        n_tiles = jnp.where(live, get("n_tiles"), 0)
+        live, task, head, get, n_tiles = item_fields(r)
 
         @pl.when(live)
         def _():
@@ -166,9 +167,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       plgpu.set_max_registers(40, action="decrease")
 
       def run_item(r, c0):
-        live, task, head = item_fields(r)
-        get = lambda name: tab_ref[task, fld[name]]
-        n_tiles = jnp.where(live, get("n_tiles"), 0)
+        live, task, head, get, n_tiles = item_fields(r)
 
         @pl.when(live)
         def _():
@@ -198,14 +197,7 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
 
           @pl.loop(0, n_tiles)
           def _(j):
-            c = c0 + j
-            slot = lax.rem(c, jnp.int32(mcs))
-
-            @pl.when(c >= mcs)
-            def _():
-              k_release.wait(slot)
-              v_release.wait(slot)
-
+            slot = acquire_slot(c0 + j, mcs, k_release, v_release)
             rows = pl.ds(kv_base + j * bkv, bkv)
             plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
@@ -224,22 +216,11 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
       plgpu.barrier_wait(q_free)
 
   def entry(tab_ref, q_ref, k_ref, v_ref, *refs):
-    tf = swizzled()
-    scratch = [
-        plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # Q rows of each compute warpgroup
-        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
-        plgpu.SMEM((mcs, bkv, d), dtype, transforms=tf),
-        plgpu.SMEM((2, bq, d), out_dtype),  # untiled: the row ladder slices it at any row
-        plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.SMEM((2, bq, bkv), dtype, transforms=tf) if interpret else None,
-    ]
-    # With a state: one barrier per compute warpgroup for its two state loads (out, LSE).
-    s_bar = (plgpu.Barrier(num_arrivals=2, num_barriers=2),) if has_state else ()
+    scratch, load_bars = forward_scratch(bq, d, mcs, bkv, dtype, out_dtype, interpret, has_state)
     pl.run_scoped(
         lambda *a: kernel(tab_ref, q_ref, k_ref, v_ref, *refs, a),
         scratch,
-        (plgpu.Barrier(num_barriers=mcs), plgpu.Barrier(num_barriers=mcs),
-         plgpu.Barrier(num_barriers=2)) + s_bar,
+        load_bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
          plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
          plgpu.Barrier(num_arrivals=2)),
