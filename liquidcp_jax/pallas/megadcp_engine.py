@@ -60,7 +60,7 @@ from liquidcp_jax.pallas import megadcp_engine_profile as prof_lib
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 from liquidcp_jax.pallas.common import (LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params,
                                         ladder_store, masked_split_loop, swizzled)
-from liquidcp_jax.pallas.sync import RingRelease, acquire_slot
+from liquidcp_jax.pallas.sync import RingRelease, produce_persistent_task
 from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -238,27 +238,23 @@ def _attention_phase(cx_static, refs, bars, sems):
                 def _():
                     plgpu.barrier_wait(q_free)
 
-                for src_kind, q_ref in ((0, qc_ref), (1, qh_ref)):
-                    @pl.when((n_tiles > 0) & (kind == src_kind))
-                    def _():
-                        for w in range(2):
-                            rows = pl.ds(pl.multiple_of(q_row + w * _BQ, et.ROW_ALIGN), _BQ)
+                def load_q(w):   # chunk tasks: the rank's heads; history: all gathered heads
+                    rows = pl.ds(pl.multiple_of(q_row + w * _BQ, et.ROW_ALIGN), _BQ)
+                    for src_kind, q_ref in ((0, qc_ref), (1, qh_ref)):
+                        @pl.when(kind == src_kind)
+                        def _():
                             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem2.at[w], q_bar.at[w])
 
-                @pl.when(n_tiles == 0)
-                def _():
-                    for w in range(2):
-                        plgpu.barrier_arrive(q_bar.at[w])
-
-                @pl.loop(0, n_tiles)
-                def _(j):
-                    slot = acquire_slot(c0 + j, mcs, k_release, v_release)
+                def load_kv(j, slot):   # chunk tasks: the step's new KV; history: the shard
                     rows = pl.ds(base + j * bkv, bkv)
                     for src_kind, k_ref, v_ref in ((0, kn_ref, vn_ref), (1, kh_ref, vh_ref)):
                         @pl.when(kind == src_kind)
                         def _():
                             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
                             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+                produce_persistent_task(c0, n_tiles, mcs, k_release, v_release, q_bar, load_q,
+                                        load_kv)
                 return c0 + n_tiles
 
             total = lax.fori_loop(a0, a1, run, jnp.int32(0))

@@ -90,6 +90,16 @@ def relay_tile(k, rows_ref, i, src_ref, recv_ref, buf, bar, B: int):
     plgpu.copy_smem_to_gmem(buf.at[slot], recv_ref.at[pl.ds(dst, B)])
 
 
+def _check_geometry(tb: ep.EngineTables, geom: RingGeometry):
+    """ValueError unless ``geom`` is the ring geometry the tables were built for."""
+    if geom.num_ranks != tb.num_ranks or geom.tile_size != tb.tile_size or geom.tiles != tb.tiles:
+        raise ValueError(f"geom ({geom.num_ranks} ranks, {geom.tiles} tiles of {geom.tile_size}) "
+                         f"does not match the tables ({tb.num_ranks}, {tb.tiles}, {tb.tile_size})")
+    if geom.recv_tiles != tb.recv_tiles:
+        raise ValueError(f"geom.recv_tiles={geom.recv_tiles} but the tables' receive buffer has "
+                         f"{tb.recv_tiles} tiles")
+
+
 def transfer_lists(tb: ep.EngineTables, geom: RingGeometry):
     """Per-CTA transfer lists of the staged launch (host, NumPy).
 
@@ -100,12 +110,7 @@ def transfer_lists(tb: ep.EngineTables, geom: RingGeometry):
     ``xins [n_xfer, 3]`` int32 (receive slot, first insert, inserts) of each row (inserts index
     ``tb.ins``).
     """
-    if geom.num_ranks != tb.num_ranks or geom.tile_size != tb.tile_size or geom.tiles != tb.tiles:
-        raise ValueError(f"geom ({geom.num_ranks} ranks, {geom.tiles} tiles of {geom.tile_size}) "
-                         f"does not match the tables ({tb.num_ranks}, {tb.tiles}, {tb.tile_size})")
-    if geom.recv_tiles != tb.recv_tiles:
-        raise ValueError(f"geom.recv_tiles={geom.recv_tiles} but the tables' receive buffer has "
-                         f"{tb.recv_tiles} tiles")
+    _check_geometry(tb, geom)
     em = EmulatedTransport(geom)
     P, W = tb.num_ranks, tb.comm_per_rank
     roles = ep.cta_roles(P, W, W)
@@ -251,12 +256,7 @@ def peer_transfer_lists(tb: ep.EngineTables, tr: PeerTransport):
     ``(d * W + w) * T + t - 1`` is ``rows[off[i] : off[i + 1]]`` (host order within a list).
     """
     geom = tr.geom
-    if geom.num_ranks != tb.num_ranks or geom.tile_size != tb.tile_size or geom.tiles != tb.tiles:
-        raise ValueError(f"geom ({geom.num_ranks} ranks, {geom.tiles} tiles of {geom.tile_size}) "
-                         f"does not match the tables ({tb.num_ranks}, {tb.tiles}, {tb.tile_size})")
-    if geom.recv_tiles != tb.recv_tiles:
-        raise ValueError(f"geom.recv_tiles={geom.recv_tiles} but the tables' receive buffer has "
-                         f"{tb.recv_tiles} tiles")
+    _check_geometry(tb, geom)
     P, W, T = tb.num_ranks, tb.comm_per_rank, max(geom.steps - 1, 1)
     lists = [[] for _ in range(P * W * T)]
     for d in range(P):

@@ -116,11 +116,17 @@ class RingRelease(NamedTuple):
       named_barrier("sync", self.named_base + slot, 3 * 128)
 
 
-def produce_ring(issue, n_tiles, mcs: int, k_release: RingRelease, v_release: RingRelease):
-  """A producer filling one task's KV ring (the ring restarts per task): tiles ``0 .. mcs - 1``
-  at once, tile ``j`` once slot ``j % mcs`` is released, then it observes the last
-  consumptions, so every barrier phase is seen before teardown. ``issue(j, slot)`` issues tile
-  ``j``'s TMA loads."""
+def produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, kv_base, kv_head, bkv: int,
+                    n_tiles, mcs: int, k_release: RingRelease, v_release: RingRelease):
+  """A producer filling one task's KV ring (the ring restarts per task) with the tiles of
+  ``bkv`` rows from ``kv_base`` of KV head ``kv_head`` (``k_ref`` / ``v_ref`` ``[T, Hkv, D]``):
+  tiles ``0 .. mcs - 1`` at once, tile ``j`` once slot ``j % mcs`` is released, then it observes
+  the last consumptions, so every barrier phase is seen before teardown."""
+  def issue(j, slot):
+    rows = pl.ds(kv_base + j * bkv, bkv)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+
   for i in range(mcs):
     pl.when(i < n_tiles)(functools.partial(issue, i, i))
 
@@ -136,6 +142,27 @@ def produce_ring(issue, n_tiles, mcs: int, k_release: RingRelease, v_release: Ri
     slot = lax.rem(j, jnp.int32(mcs))
     k_release.wait(slot)
     v_release.wait(slot)
+
+
+def produce_persistent_task(c0, n_tiles, mcs: int, k_release: RingRelease,
+                            v_release: RingRelease, q_bar, load_q, load_kv):
+  """The producer's part of one task of a persistent kernel (one KV ring across the CTA's
+  tasks, whose ``c0``-th tile is this task's first): ``load_q(w)`` issues compute warpgroup
+  ``w``'s Q rows on ``q_bar[w]`` (a task with no tiles needs no Q: a plain arrive instead), then
+  ``load_kv(j, slot)`` issues tile ``j`` once its slot is free (:func:`acquire_slot`)."""
+  @pl.when(n_tiles > 0)
+  def _():
+    for w in range(2):
+      load_q(w)
+
+  @pl.when(n_tiles == 0)
+  def _():
+    for w in range(2):
+      plgpu.barrier_arrive(q_bar.at[w])
+
+  @pl.loop(0, n_tiles)
+  def _(j):
+    load_kv(j, acquire_slot(c0 + j, mcs, k_release, v_release))
 
 
 def acquire_slot(c, mcs: int, k_release: RingRelease, v_release: RingRelease):

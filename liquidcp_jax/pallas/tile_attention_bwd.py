@@ -27,7 +27,7 @@ from liquidcp_jax.pallas import heuristics
 from liquidcp_jax.pallas.common import (LOG2E, ROWS, SMEM_LIMIT, aligned, interpret_params,
                                         ladder_store, masked_split_loop, mm_reg_lhs,
                                         mm_reg_lhs_pair, mm_t_pair, swizzled, tile_mask)
-from liquidcp_jax.pallas.sync import RingRelease, bwd_ring_release, produce_ring
+from liquidcp_jax.pallas.sync import RingRelease, bwd_ring_release, produce_kv_ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +258,8 @@ def dq_kernel_call(q, k, v, do, lse2, delta, table, n_tasks, *, causal, sm_scale
       plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(head, jnp.int32(group))
 
-      def issue(j, slot):
-        rows = pl.ds(kv_base + j * bkv, bkv)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_s.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_s.at[slot], v_bar.at[slot])
-
-      produce_ring(issue, n_tiles, mcs, k_release, v_release)
+      produce_kv_ring(k_ref, v_ref, k_s, v_s, k_bar, v_bar, kv_base, kv_head, bkv, n_tiles, mcs,
+                      k_release, v_release)
 
   def entry(tab, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, dq_ref):
     scratch = [

@@ -35,7 +35,7 @@ from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, SMEM_LIMIT, TASK_ROWS, aligned,
                                         interpret_params, ladder_store, masked_split_loop,
                                         swizzled)
-from liquidcp_jax.pallas.sync import FWD_SCHED, RingRelease, named_barrier, produce_ring
+from liquidcp_jax.pallas.sync import FWD_SCHED, RingRelease, named_barrier, produce_kv_ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,12 +429,8 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(head, jnp.int32(group))
 
-      def issue(j, slot):
-        rows = pl.ds(kv_base + j * bkv, bkv)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
-
-      produce_ring(issue, n_tiles, mcs, k_release, v_release)
+      produce_kv_ring(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, kv_base, kv_head, bkv, n_tiles, mcs,
+                      k_release, v_release)
 
   def entry(tab_ref, q_ref, k_ref, v_ref, *refs):
     scratch, load_bars = forward_scratch(bq, d, mcs, bkv, dtype, out_dtype, interpret, has_state)

@@ -32,7 +32,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from liquidcp_jax.pallas import tables as tables_lib
 from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, TASK_ROWS, interpret_params,
                                         ladder_store, masked_split_loop)
-from liquidcp_jax.pallas.sync import RingRelease, acquire_slot
+from liquidcp_jax.pallas.sync import RingRelease, produce_persistent_task
 from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, forward_scratch,
                                                    initial_carry, softmax_step, state_load,
                                                    state_lse)
@@ -184,23 +184,16 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           # warpgroups still wait on q_bar, so they cannot run ahead of this warpgroup's q_free
           # waits: were they two or more q_free phases ahead, the parity of a wait would alias
           # (a hang). See docs/decisions.md ("Gap tasks load nothing").
-          @pl.when(n_tiles > 0)
-          def _():
-            for w in range(2):
-              plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + w * bq, bq), head],
-                                      q_smem2.at[w], q_bar.at[w])
+          def load_q(w):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_base + w * bq, bq), head],
+                                    q_smem2.at[w], q_bar.at[w])
 
-          @pl.when(n_tiles == 0)
-          def _():
-            for w in range(2):
-              plgpu.barrier_arrive(q_bar.at[w])
-
-          @pl.loop(0, n_tiles)
-          def _(j):
-            slot = acquire_slot(c0 + j, mcs, k_release, v_release)
+          def load_kv(j, slot):
             rows = pl.ds(kv_base + j * bkv, bkv)
             plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+
+          produce_persistent_task(c0, n_tiles, mcs, k_release, v_release, q_bar, load_q, load_kv)
 
         return c0 + n_tiles
 
