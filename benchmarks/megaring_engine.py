@@ -1,8 +1,9 @@
 """MegaRing engine ablation on emulated ranks, one GPU (issue 25 item 5; the paper's Fig. 11(a)).
 
 For a ``--devices``-rank BuddyRing plan of a sampled packed batch (tiles of 128 rows, bf16,
-``D = 128``), the forward and the forward+backward of ``--heads`` heads (one engine launch per
-head and pass, back to back in one jitted function) by each step of the ablation:
+``D = 128``), the forward and the forward+backward of ``--heads`` heads by each step of the
+ablation (the engine steps run every head in one launch per pass, heads as copies of the plan on
+``heads * P`` virtual ranks; the segment ring steps take the heads in each kernel call):
 
   ==============  =====================================================================
   segment_ring    per-step kernels with the merge in XLA (today's ``segment_ring``): each
@@ -54,40 +55,28 @@ def cases(spec: str) -> list[H.Case]:
     return out
 
 
-def build(lengths, ranks: int, tile: int, task_tiles: int, comm: int = 2):
-    """``(layout, tables, geometry)`` of a BuddyRing plan over ``ranks`` emulated ranks."""
-    from liquidcp_jax import placement as placement_lib
-    from liquidcp_jax.megaring import engine_protocol as ep
-    from liquidcp_jax.megaring.layout import build_layout
-    from liquidcp_jax.pallas import megaring_transport as mt
-    pl = placement_lib.buddyring(list(lengths), ranks)
-    lay = build_layout(lengths, pl.starts, pl.sizes, ranks, tile)
-    send = tuple(int(-(-lay.prefix_rows[t].max() // tile)) for t in range(1, lay.steps))
-    tb = ep.build_engine_tables(lay, send, causal=True, task_tiles=task_tiles, comm_per_rank=comm)
-    return lay, tb, mt.RingGeometry(ranks, lay.capacity // tile, tile, send)
+def build(lengths, ranks: int, tile: int, task_tiles: int, comm: int = 2, heads: int = 1):
+    """``(layout, tables, geometry)`` of a BuddyRing plan over ``ranks`` emulated ranks; with
+    ``heads > 1`` the tables and geometry of ``heads`` copies on ``heads * ranks`` virtual ranks
+    (one engine launch for every head: ``liquidcp_jax.megaring.emulated``), the layout still
+    the plan's."""
+    from liquidcp_jax.megaring.emulated import EmulatedRing
+    ring = EmulatedRing(lengths, ranks, tile=tile, task_tiles=task_tiles, comm_per_rank=comm)
+    lay, tb, geom, _ = ring._engine(heads)
+    return ring.layout, tb, geom
 
 
-def _heads(fn, heads: int):
-    """``fn(q, k, v) -> (out, lse)`` for ``[H, P*C, D]`` inputs: one call per head, in order."""
-    def run(q, k, v):
-        return [fn(q[h], k[h], v[h]) for h in range(heads)]
-    return run
-
-
-def _heads_fb(fwd, bwd, heads: int):
-    """Forward then backward of every head (``[H, P*C, D]`` inputs and ``do``)."""
+def _fb(fwd, bwd):
+    """Forward then backward (the engine's own backward) on stacked heads."""
     def run(q, k, v, do):
-        out = []
-        for h in range(heads):
-            o, l = fwd(q[h], k[h], v[h])
-            out.append(bwd(q[h], k[h], v[h], o, l, do[h]))
-        return out
+        o, l = fwd(q, k, v)
+        return bwd(q, k, v, o, l, do)
     return run
 
 
 def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool):
     """The engine steps as ``{name: (forward(q, k, v) -> (out, lse), backward(q, k, v, out, lse,
-    do) -> (dq, dk, dv))}`` for one head."""
+    do) -> (dq, dk, dv))}`` over the geometry's (virtual) ranks: every head in one launch."""
     from liquidcp_jax.megaring import engine_protocol as ep
     from liquidcp_jax.pallas import megaring_engine as me
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
@@ -123,7 +112,8 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     lengths = A.batch_lengths(case["dataset"], case["tokens"])
     P, B, Hh, D = case["ranks"], a.tile, a.heads, a.head_dim
     lay, tb, g = build(lengths, P, B, a.task_tiles)
-    _, tb1, _ = build(lengths, P, B, 1)
+    _, tbh, gh = build(lengths, P, B, a.task_tiles, heads=Hh)   # all heads in one launch
+    _, tbh1, _ = build(lengths, P, B, 1, heads=Hh)
     scale = D ** -0.5
     T = int(lengths.sum())
     rng = np.random.default_rng(0)
@@ -157,7 +147,8 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
         mask = ep.valid_pairs(tb).astype(bool)
         ref = [ep._attend(f64(qc[h]), f64(kc[h]), f64(vc[h]), mask, scale) for h in range(Hh)]
     ok = tb.tok_seq.reshape(-1) >= 0
-    fns = engine_fns(tb, tb1, g, scale, num_sms, a.interpret)
+    fns = engine_fns(tbh, tbh1, gh, scale, num_sms, a.interpret)
+    flat = lambda t: t.reshape(-1, D)   # noqa: E731   [H, P*C, D] -> virtual ranks h * P + r
     for step in a.steps:
         row = {**base, "step": step}
         try:
@@ -200,24 +191,25 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     row.update(fb_ms=round(max(per_fb), 4),
                                fb_efficiency=round(one_fb_ms / P / max(per_fb), 3))
             else:
-                f = jax.jit(_heads(fns[step][0], Hh))
-                outs = jax.block_until_ready(f(qc, kc, vc))
+                f = jax.jit(fns[step][0])
+                o, _ = jax.block_until_ready(f(flat(qc), flat(kc), flat(vc)))
                 if ref is not None:
-                    got = np.concatenate([np.asarray(o.astype(jnp.float32), np.float64)[ok]
-                                          for o, _ in outs])
+                    o = np.asarray(o.astype(jnp.float32), np.float64).reshape(Hh, -1, D)
+                    got = np.concatenate([o[h][ok] for h in range(Hh)])
                     want = np.concatenate([r[0][ok] for r in ref])   # (out, lse) per head
                     row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
                     if not row["rel_error"] < 2e-2:
                         raise AssertionError(f"{step}: relative error {row['rel_error']:.3g} "
                                              f"vs float64 (bf16 bound 2e-2)")
                 if not a.interpret:
-                    ms = H.time_fn(f, qc, kc, vc, reps=a.reps).median_ms
+                    ms = H.time_fn(f, flat(qc), flat(kc), flat(vc), reps=a.reps).median_ms
                     row["ms"] = round(ms, 4)
                     if one_ms is not None:
                         row["efficiency"] = round(one_ms / ms, 3)
                     if a.bwd:
-                        fb = jax.jit(_heads_fb(*fns[step], Hh))
-                        fb_ms = H.time_fn(fb, qc, kc, vc, doc, reps=a.reps).median_ms
+                        fb = jax.jit(_fb(*fns[step]))
+                        fb_ms = H.time_fn(fb, flat(qc), flat(kc), flat(vc), flat(doc),
+                                          reps=a.reps).median_ms
                         row.update(fb_ms=round(fb_ms, 4), fb_efficiency=round(one_fb_ms / fb_ms, 3))
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
             row["error"] = H.error_text(e)
@@ -230,7 +222,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="freelaw:64K:8,arxiv:64K:8,pilecc:64K:8,freelaw:64K:4",
                     help="comma list of dataset:tokens:ranks")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {STEPS}")
-    ap.add_argument("--heads", type=int, default=4, help="heads (one engine launch each)")
+    ap.add_argument("--heads", type=int, default=4,
+                    help="heads (a power of two; all in one engine launch, as virtual ranks)")
     ap.add_argument("--tile", type=int, default=128, help="tile rows (64 or 128)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dimension (64 or 128)")
     ap.add_argument("--task-tiles", type=int, default=8, help="tau_max cap of the coalescing step")
@@ -238,12 +231,12 @@ def main(argv=None):
     ap.add_argument("--fwd-only", dest="bwd", action="store_false",
                     help="time the forward only (default: also forward+backward)")
     ap.add_argument("--interpret", action="store_true",
-                    help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens")
+                    help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens, 2 heads")
     H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)
     a = ap.parse_args(argv)
     a.steps = H.parse_list(a.steps, allowed=STEPS, name="--steps")
     if a.interpret:
-        a.cases, a.steps, a.tile, a.heads, a.head_dim = "pilecc:2K:4", ["staged"], 64, 1, 64
+        a.cases, a.steps, a.tile, a.heads, a.head_dim = "pilecc:2K:4", ["staged"], 64, 2, 64
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     G = 132 if a.interpret else num_sms()
     report = H.Report("benchmarks.megaring_engine", a.out, argv, reps=a.reps, num_sms=G)

@@ -162,10 +162,12 @@ def test_megadcp_engine_smoke(tmp_path):
 
 def test_megaring_engine_ablation_smoke(tmp_path):
     """The MegaRing engine ablation end to end on the CPU: the staged step of a 2K Pile-CC plan
-    over 4 emulated ranks in the Mosaic GPU interpreter, checked against float64 inside."""
+    over 4 emulated ranks, two heads in one launch (8 virtual ranks), in the Mosaic GPU
+    interpreter, checked against float64 inside."""
     from benchmarks import megaring_engine
     out = tmp_path / "ring.json"
     megaring_engine.main(["--interpret", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["step"] == "staged" and "error" not in row, row
     assert row["rel_error"] < 2e-2 and row["ranks"] == 4 and row["num_seqs"] > 1
+    assert row["heads"] == 2

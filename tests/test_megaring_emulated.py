@@ -88,3 +88,44 @@ def test_engine_on_gpu_matches_float64(rng, mode):
     want, _ = reference.attention_reference(f64(q), f64(k), f64(v), lengths)
     assert reference.rel_error(f64(out), want) < 2e-2
     _grads_vs_float64(ring, lengths, q, k, v, 2e-2, mode=mode)
+
+
+def test_head_copies_lay_out_each_head_like_the_plan():
+    """Heads as copies on virtual ranks: virtual rank ``h * P + r`` holds head ``h``'s copy of
+    rank ``r``'s rows in the same order (the stacking in ``attention_sharded`` relies on it)."""
+    from liquidcp_jax.megaring.emulated import head_copies
+    lengths = [300, 70, 500, 9, 1000]
+    ring = EmulatedRing(lengths, 4, tile=64, task_tiles=3)
+    P, T, S, C = 4, sum(lengths), len(lengths), ring.layout.capacity
+    starts, sizes = head_copies(*ring._placement, P, 4)
+    assert starts.tolist()[S:2 * S] == (ring._placement[0] + P).tolist()
+    lay3 = ring._engine(4)[0]
+    assert lay3.capacity == C
+    one = ring.layout
+    for h in range(4):
+        blk = slice(h * P * C, (h + 1) * P * C)
+        seq = lay3.tok_seq.reshape(-1)[blk]
+        np.testing.assert_array_equal(seq, np.where(one.tok_seq.reshape(-1) >= 0,
+                                                    one.tok_seq.reshape(-1) + h * S, -1))
+        np.testing.assert_array_equal(lay3.tok_pos.reshape(-1)[blk], one.tok_pos.reshape(-1))
+        src = np.asarray(lay3.shard_src)[blk]
+        real = np.asarray(one.shard_src)
+        np.testing.assert_array_equal(np.where(real < T, src - h * T, real), real)
+
+
+def test_staged_interpret_heads_in_one_launch(rng, monkeypatch):
+    """Four query heads over two KV heads: one staged launch for all four (head copies on 16
+    virtual ranks) matches float64, forward and gradients."""
+    from liquidcp_jax.pallas import megaring_engine as me
+    calls = []
+    real = me.forward_staged
+    monkeypatch.setattr(me, "forward_staged", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    lengths = [200, 70, 33]
+    ring = EmulatedRing(lengths, 4, tile=64, task_tiles=3)
+    q, k, v = _qkv(rng, sum(lengths), 4, 2, 64, jnp.bfloat16)
+    out = ring.attention(q, k, v, mode="staged", interpret=True)
+    assert calls == [(4 * 4 * ring.layout.capacity, 64)]
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    want, _ = reference.attention_reference(f64(q), f64(k), f64(v), lengths)
+    assert reference.rel_error(f64(out), want) < 2e-2
+    _grads_vs_float64(ring, lengths, q, k, v, 2e-2, mode="staged", interpret=True)

@@ -17,6 +17,14 @@ Host side (the constructor) builds the layout, the engine tables and the ring ge
 call is jittable and differentiable: the engine's backward (``pallas/megaring_engine_bwd``:
 one KV tile per task; fused: reduce-adds into the owners' accumulators under completion counters)
 is its VJP.
+
+**Heads in one launch.** Attention heads are independent copies of the same plan, so ``H`` heads
+run as one plan over ``H * P`` *virtual* ranks (:func:`head_copies`: copy ``h``'s aligned groups
+start ``h * P`` ranks later): one launch, forward and backward, for all heads (per query head
+the K / V of its KV head), each real rank's SM share split among its head copies. The fused
+engine needs every CTA resident (``H * P * ctas_per_rank`` at most the SM count), so it runs
+``num_sms // (P * (comm_per_rank + 1))`` heads per launch at most; the staged engine runs all.
+Launches take a power of two of heads (the ring geometry's rank count), e.g. 6 heads as 4 + 2.
 """
 from __future__ import annotations
 
@@ -46,7 +54,6 @@ class EmulatedRing:
     def __init__(self, lengths, num_ranks: int, *, tile: int = 128, task_tiles: int = 8,
                  comm_per_rank: int = 2, placement: str = "buddyring"):
         from liquidcp_jax import placement as placement_lib
-        from liquidcp_jax.pallas import megaring_transport as mt
         lengths = np.asarray(lengths, np.int64)
         if lengths.ndim != 1 or lengths.size == 0 or (lengths < 1).any():
             raise ValueError(f"lengths must be a non-empty list of ints >= 1; got {lengths.tolist()}")
@@ -54,18 +61,38 @@ class EmulatedRing:
             raise ValueError(f'placement must be "buddyring" or "all_cp"; got {placement!r}')
         pl = getattr(placement_lib, placement)(lengths.tolist(), int(num_ranks))
         self.lengths = lengths
-        self.layout = build_layout(lengths, pl.starts, pl.sizes, int(num_ranks), int(tile))
-        lay = self.layout
-        send = tuple(int(-(-lay.prefix_rows[t].max() // tile)) for t in range(1, lay.steps))
-        self.tables = ep.build_engine_tables(lay, send, causal=True, task_tiles=task_tiles,
-                                             comm_per_rank=comm_per_rank)
-        self.geometry = mt.RingGeometry(int(num_ranks), lay.capacity // int(tile), int(tile), send)
-        self._src = np.asarray(lay.shard_src)
-        self._sim = None
+        self.num_ranks_ = int(num_ranks)
+        self._placement = (np.asarray(pl.starts, np.int64), np.asarray(pl.sizes, np.int64))
+        self._build = dict(tile=int(tile), task_tiles=task_tiles, comm_per_rank=comm_per_rank)
+        self._engines = {}   # head copies -> (layout, tables, geometry, staged protocol run)
+        self.layout, self.tables, self.geometry = self._engine(1)[:3]
+        self._src = np.asarray(self.layout.shard_src)
+
+    def _engine(self, copies: int, *, sim: bool = False):
+        """``(layout, tables, geometry, sim)`` of ``copies`` head copies on ``copies * P``
+        virtual ranks (cached; ``sim``: also the protocol run the staged engine's task lists
+        come from)."""
+        if copies not in self._engines:
+            from liquidcp_jax.pallas import megaring_transport as mt
+            P, B = int(self.num_ranks_), self._build["tile"]
+            starts, sizes = head_copies(*self._placement, P, copies)
+            cap = None if copies == 1 else self.layout.capacity
+            lay = build_layout(np.tile(self.lengths, copies), starts, sizes, copies * P, B,
+                               capacity_rows=cap)
+            send = tuple(int(-(-lay.prefix_rows[t].max() // B)) for t in range(1, lay.steps))
+            tb = ep.build_engine_tables(lay, send, causal=True,
+                                        task_tiles=self._build["task_tiles"],
+                                        comm_per_rank=self._build["comm_per_rank"])
+            self._engines[copies] = [lay, tb, mt.RingGeometry(copies * P, lay.capacity // B, B,
+                                                              send), None]
+        e = self._engines[copies]
+        if sim and e[3] is None:
+            e[3] = ep.simulate(e[1], ep.SimConfig(delay="none", ctas_per_rank=2))
+        return e
 
     @property
     def num_ranks(self) -> int:
-        return self.geometry.num_ranks
+        return self.num_ranks_
 
     def shard(self, x):
         """Packed ``[T, ...]`` -> the CP layout ``[P * C, ...]`` (padding rows 0)."""
@@ -88,13 +115,15 @@ class EmulatedRing:
     def attention_sharded(self, q, k, v, *, scale: float | None = None, mode: str = "fused",
                           ctas_per_rank: int | None = None, interpret: bool = False):
         """Causal attention of the laid-out batch: ``q [P * C, Hq, D]``, ``k, v [P * C, Hkv, D]``
-        (bf16 / f16, ``D`` 64 or 128) -> ``(out [P * C, Hq, D], lse [P * C, Hq] f32)``; one
-        engine launch per query head (query head ``h`` reads KV head ``h // (Hq / Hkv)``).
-        ``mode``: ``"fused"`` (device-side counters; GPU only) or ``"staged"`` (transfer launch,
-        then static task lists from a protocol run; what the CPU interpreter runs). Rows of
-        padding are returned as 0 (out) and ``-inf`` (lse). Differentiable in ``q``, ``k``,
-        ``v`` through ``out`` (the engine's backward of the same mode; ``lse`` carries no
-        gradient)."""
+        (bf16 / f16, ``D`` 64 or 128) -> ``(out [P * C, Hq, D], lse [P * C, Hq] f32)``; the heads
+        run as copies of the plan on virtual ranks (module docstring): the staged engine all in
+        one launch, the fused one in as few launches as residency allows (query head ``h``
+        reads KV head ``h // (Hq / Hkv)``). ``mode``: ``"fused"`` (device-side counters; GPU
+        only) or ``"staged"`` (transfer launch, then static task lists from a protocol run; what
+        the CPU interpreter runs). ``ctas_per_rank``: CTAs per virtual rank (default: the SMs
+        shared out, at least ``comm_per_rank + 1``, fused; 2, staged). Rows of padding are
+        returned as 0 (out) and ``-inf`` (lse). Differentiable in ``q``, ``k``, ``v`` through
+        ``out`` (the engine's backward of the same mode; ``lse`` carries no gradient)."""
         from liquidcp_jax.pallas import megaring_engine as me
         from liquidcp_jax.pallas import megaring_engine_bwd as mb
         from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
@@ -107,31 +136,46 @@ class EmulatedRing:
         if hq % hkv:
             raise ValueError(f"q heads ({hq}) must be a multiple of k / v heads ({hkv})")
         scale = check_scale(scale, q.shape[-1])
-        P = self.num_ranks
+        P, W = self.num_ranks, self.tables.comm_per_rank
         if mode == "fused":
             from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
-            cpr = ctas_per_rank or max(num_sms() // P, self.tables.comm_per_rank + 1)
-            run = lambda a, b, c: me.forward_launch(a, b, c, self.tables, self.geometry,  # noqa: E731
-                                                    scale=scale, ctas_per_rank=cpr)
-            grad = lambda *x: mbf.backward_fused(*x, self.tables, self.geometry,  # noqa: E731
-                                                 scale=scale, ctas_per_rank=cpr)
+            per_head = P * (ctas_per_rank or W + 1)
+            if per_head > num_sms():
+                raise ValueError(f"the fused engine needs {per_head} resident CTAs for one head "
+                                 f"({P} ranks x {ctas_per_rank or W + 1}); this GPU has "
+                                 f"{num_sms()} SMs")
+            launch_heads = max(1, min(hq, num_sms() // per_head))
         else:
-            if self._sim is None:
-                self._sim = ep.simulate(self.tables, ep.SimConfig(delay="none", ctas_per_rank=2))
-            n = P * (ctas_per_rank or 2)
-            run = lambda a, b, c: me.forward_staged(a, b, c, self.tables, self.geometry,  # noqa: E731
-                                                    scale=scale, num_ctas=n, sim=self._sim,
-                                                    interpret=interpret)
-            grad = lambda *x: mb.backward_staged(*x, self.tables, self.geometry,  # noqa: E731
-                                                 scale=scale, num_ctas=n, interpret=interpret)
-        head = _engine_head(run, grad)
+            launch_heads = hq
         valid = jnp.asarray(self.layout.tok_seq.reshape(-1) >= 0)
+        kv_of = np.arange(hq) // (hq // hkv)
         outs, lses = [], []
-        for h in range(hq):
-            o, l = head(q[:, h], k[:, h // (hq // hkv)], v[:, h // (hq // hkv)])
-            outs.append(jnp.where(valid[:, None], o, 0).astype(q.dtype))
-            lses.append(jnp.where(valid, jax.lax.stop_gradient(l), -jnp.inf))
-        return jnp.stack(outs, axis=1), jnp.stack(lses, axis=1)
+        h0 = 0
+        while h0 < hq:   # launches of a power of two of heads (the ring geometry's rank count)
+            n = 1 << (min(launch_heads, hq - h0).bit_length() - 1)
+            _, tb, geom, sim = self._engine(n, sim=mode == "staged")
+            stack = lambda x, heads: jnp.moveaxis(x[:, heads], 1, 0).reshape(-1, x.shape[-1])  # noqa: E731
+            qs = stack(q, np.arange(h0, h0 + n))
+            ks, vs = stack(k, kv_of[h0:h0 + n]), stack(v, kv_of[h0:h0 + n])
+            if mode == "fused":
+                cpr = ctas_per_rank or max(num_sms() // (n * P), W + 1)
+                run = lambda a, b, c, tb=tb, geom=geom, cpr=cpr: me.forward_launch(  # noqa: E731
+                    a, b, c, tb, geom, scale=scale, ctas_per_rank=cpr)
+                grad = lambda *x, tb=tb, geom=geom, cpr=cpr: mbf.backward_fused(  # noqa: E731
+                    *x, tb, geom, scale=scale, ctas_per_rank=cpr)
+            else:
+                nc = n * P * (ctas_per_rank or 2)
+                run = lambda a, b, c, tb=tb, geom=geom, sim=sim, nc=nc: me.forward_staged(  # noqa: E731
+                    a, b, c, tb, geom, scale=scale, num_ctas=nc, sim=sim, interpret=interpret)
+                grad = lambda *x, tb=tb, geom=geom, nc=nc: mb.backward_staged(  # noqa: E731
+                    *x, tb, geom, scale=scale, num_ctas=nc, interpret=interpret)
+            o, l = _engine_head(run, grad)(qs, ks, vs)
+            o = jnp.moveaxis(o.reshape(n, -1, o.shape[-1]), 0, 1)    # [P * C, n, D]
+            l = jnp.moveaxis(l.reshape(n, -1), 0, 1)
+            outs.append(jnp.where(valid[:, None, None], o, 0).astype(q.dtype))
+            lses.append(jnp.where(valid[:, None], jax.lax.stop_gradient(l), -jnp.inf))
+            h0 += n
+        return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
     def attention(self, q, k, v, **kw):
         """Packed ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``out [T, Hq, D]``
@@ -140,8 +184,17 @@ class EmulatedRing:
         return self.unshard(out)
 
 
+def head_copies(starts, sizes, num_ranks: int, copies: int):
+    """``(starts, sizes)`` of ``copies`` copies of a placement on ``copies * num_ranks`` ranks:
+    copy ``h``'s groups start ``h * num_ranks`` ranks later, so aligned groups stay aligned and
+    no copy shares a rank with another."""
+    starts = np.asarray(starts, np.int64)
+    return (np.concatenate([starts + h * int(num_ranks) for h in range(int(copies))]),
+            np.tile(np.asarray(sizes, np.int64), int(copies)))
+
+
 def _engine_head(run, grad):
-    """One head's engine forward ``run(q, k, v) -> (out, lse)`` with the engine backward
+    """The engine forward ``run(q, k, v) -> (out, lse)`` with the engine backward
     ``grad(q, k, v, out, lse, dout) -> (dq, dk, dv)`` as its VJP (``lse``'s cotangent is dropped:
     the caller stops its gradient)."""
     @jax.custom_vjp
@@ -161,4 +214,4 @@ def _engine_head(run, grad):
     return head
 
 
-__all__ = ["EmulatedRing", "MODES"]
+__all__ = ["EmulatedRing", "MODES", "head_copies"]
