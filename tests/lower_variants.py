@@ -118,7 +118,7 @@ def xla_twin(kind, causal):
 
 def engine_variant(kind, d=128, dt="bf16"):
   """The MegaRing engine's launches on emulated ranks (4 ranks, tiles of 64)."""
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  # run as a script: its folder (tests/) is on sys.path, so the test module imports directly
   from test_megaring_engine import _plan
   from liquidcp_jax.pallas import megaring_engine as me
   _, tb, g = _plan([200, 90, 30, 500], [0, 2, 1, 0], [2, 2, 1, 4], 4, 64, 2)
