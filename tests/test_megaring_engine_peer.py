@@ -346,3 +346,22 @@ def test_megaring_attention_pallas_engine_lowers(monkeypatch):
     f = jax.jit(lambda q, k, v: lcp.megaring_attention(q, k, v, plan, backend="pallas_engine"))
     txt = f.trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 2 * 2 + 2
+
+
+def test_engine_host_tables_built_once_per_plan(monkeypatch):
+    """``engine_attention``'s host tables are built once per plan (and worker / CTA counts):
+    an eager loop reusing a plan does not rebuild them; another plan gets its own."""
+    builds = []
+    real = ep.build_engine_tables
+    monkeypatch.setattr(ep, "build_engine_tables", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+    mesh = _mesh(4)
+    plan = lcp.plan_megaring([900, 300, 1500], mesh, placement="all_cp", tile_size=64)
+    first = mops._engine_host(plan, 2, 4)
+    assert mops._engine_host(plan, 2, 4) is first and len(builds) == 1
+    assert mops._engine_host(plan, 2, 8) is not first and len(builds) == 2
+    other = lcp.plan_megaring([900, 300, 1500], mesh, placement="all_cp", tile_size=64)
+    mops._engine_host(other, 2, 4)
+    assert len(builds) == 3
+    traced = jax.tree.map(lambda x: x, plan)   # a plan without its host layout
+    with pytest.raises(ValueError, match="host layout"):
+        mops._engine_host(traced, 2, 4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -305,22 +306,16 @@ def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int
     the order is the launch boundaries, Mosaic GPU's pre-launch device barrier and XLA's
     collectives (see ``megaring_engine.transfer_launch``).
     """
-    from liquidcp_jax.megaring import engine_protocol as ep
     from liquidcp_jax.pallas import megaring_engine as me
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
-    from liquidcp_jax.pallas import megaring_transport as mt
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     static = plan.static
-    tb = ep.tables_from_plan(plan, comm_per_rank=comm_per_rank)
-    tr = mt.PeerTransport(mt.RingGeometry.from_capacity(plan.capacity, static.num_devices),
-                          static.axis_name)
-    sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
     K = int(num_ctas or num_sms())
+    tb, tr, sim, tabs = _engine_host(plan, comm_per_rank, K)
     hq, hkv = q.shape[1], k.shape[1]
     grp = hq // hkv
     C, Rb = tr.geom.rows, max(tr.geom.recv_tiles, 1) * tr.geom.tile_size
     valid = tb.tok_seq.reshape(static.num_devices, -1) >= 0    # host: made an array per trace
-    tabs = mb.peer_backward_tables(tb, tr, K)
     names = tuple(sorted(tabs))
 
     def fwd_local(q, k, v, valid):
@@ -374,6 +369,31 @@ def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int
     run.defvjp(run_fwd, run_bwd)
     q, k, v = (_constrain(x, plan.head_sharding) for x in (q, k, v))
     return jax.jit(run)(q, k, v)
+
+
+_ENGINE_HOST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _engine_host(plan: MegaRingPlan, comm_per_rank: int, num_ctas: int):
+    """The engine's host tables for ``plan`` (engine tables, peer transport, the protocol run the
+    staged task lists come from, the backward's tables), built once per plan (and worker / CTA
+    counts) and kept while the plan lives: an eager training loop reusing a plan
+    does not rebuild them every step."""
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_transport as mt
+    if getattr(plan, "layout", None) is None:
+        ep.tables_from_plan(plan)   # raises its ValueError: the plan has no host layout
+    per = _ENGINE_HOST.setdefault(plan, {})   # plans hash by identity (eq=False)
+    key = (int(comm_per_rank), int(num_ctas))
+    if key not in per:
+        tb = ep.tables_from_plan(plan, comm_per_rank=comm_per_rank)
+        static = plan.static
+        tr = mt.PeerTransport(mt.RingGeometry.from_capacity(plan.capacity, static.num_devices),
+                              static.axis_name)
+        sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+        per[key] = (tb, tr, sim, mb.peer_backward_tables(tb, tr, int(num_ctas)))
+    return per[key]
 
 
 def _on_gpus(mesh) -> bool:
