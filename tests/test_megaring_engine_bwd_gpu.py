@@ -1,6 +1,7 @@
-"""MegaRing engine backward kernel on a Hopper GPU (skipped elsewhere; written without a GPU, not
-yet run): the staged and the fused backward in bf16 at the forward GPU tests' sizes (8 ranks x
-tiles of 128, 4 ranks x tiles of 64, head dim 128) against a per-sequence float64 reference."""
+"""MegaRing engine backward kernel on a Hopper GPU (skipped elsewhere; passed on an H200 on
+2026-12-05, before the two-stage query-side loads): the staged and the fused backward in bf16 at
+the forward GPU tests' sizes (8 ranks x tiles of 128, 4 ranks x tiles of 64, head dim 128)
+against a per-sequence float64 reference, each after a run on NaN dO (outputs poisoned)."""
 import numpy as np
 import pytest
 import jax
@@ -33,6 +34,8 @@ def test_backward_staged_matches_float64(rng, plan, ctas):
     tb, g, d, (q, k, v, do), ref = _inputs(rng, plan)
     out = jnp.asarray(ref[0], jnp.bfloat16)
     lse = jnp.asarray(ref[1], jnp.float32)
+    jax.block_until_ready(mb.backward_staged(q, k, v, out, lse, do * jnp.nan, tb, g,
+                                             scale=d ** -0.5, num_ctas=ctas))   # poison
     got = jax.block_until_ready(mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=d ** -0.5,
                                                    num_ctas=ctas))
     check_grads(tb, got, ref, 2e-2)
@@ -57,6 +60,8 @@ def test_backward_fused_matches_float64(rng, plan, ctas):
     tb, g, d, (q, k, v, do), ref = _inputs(rng, plan)
     out = jnp.asarray(ref[0], jnp.bfloat16)
     lse = jnp.asarray(ref[1], jnp.float32)
+    jax.block_until_ready(mf.backward_fused(q, k, v, out, lse, do * jnp.nan, tb, g,
+                                            scale=d ** -0.5, ctas_per_rank=ctas))   # poison
     got = jax.block_until_ready(mf.backward_fused(q, k, v, out, lse, do, tb, g, scale=d ** -0.5,
                                                   ctas_per_rank=ctas))
     pad = tb.tok_seq.reshape(-1) < 0

@@ -1,6 +1,7 @@
-"""MegaRing engine kernels on a Hopper GPU (skipped elsewhere; not yet run: no GPU was lent when
-they were written). The staged transfer launch on emulated ranks of a 64K BuddyRing plan moves
-exactly the tables' tiles into the receive buffers."""
+"""MegaRing engine kernels on a Hopper GPU (skipped elsewhere; they passed on an H200 on
+2026-12-05, before the two-stage K / V loads). The staged transfer launch on emulated ranks of a
+64K BuddyRing plan moves exactly the tables' tiles into the receive buffers; the forward runs
+once on NaN queries first (outputs poisoned: a row left unwritten shows as NaN)."""
 import numpy as np
 import pytest
 import jax
@@ -100,6 +101,8 @@ def test_forward_matches_float64(rng, plan, ctas):
     tb, g = _fwd_plan(plan)
     rows, d = g.num_ranks * g.rows, 128
     q, k, v = (jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16) for _ in range(3))
+    jax.block_until_ready(me.forward_launch(q * jnp.nan, k, v, tb, g, scale=d ** -0.5,
+                                            ctas_per_rank=ctas))   # poison
     out, lse = jax.block_until_ready(me.forward_launch(q, k, v, tb, g, scale=d ** -0.5,
                                                        ctas_per_rank=ctas))
     ro, rl = _ref(tb, q, k, v, d ** -0.5)
