@@ -11,7 +11,8 @@ Timing (:func:`time_fn`, :func:`time_round_robin`): wall-clock, every call waite
 ``jax.block_until_ready``; the first call (compile) and ``warmup - 1`` more are not timed; the
 median of the timed calls is the number. Round-robin timing calls each implementation once per
 round, so clock ramp-up and drift hit all of them alike. Microsecond kernels use
-:func:`time_back_to_back` (many calls, one wait) inside such rounds.
+:func:`time_back_to_back` (many calls, one wait) inside such rounds. Device time and the kernels
+it goes to: :func:`trace_calls` (a ``jax.profiler`` trace read back).
 
 The report (:class:`Report`) is ``{"meta": ..., <script fields>, "rows": [...]}``; ``meta`` holds the
 script, its argv, the git SHA (``GIT_SHA`` in the environment where the tree has no ``.git``, as
@@ -21,8 +22,10 @@ on the device machine), the date (UTC), jax's version and the device kind. Repor
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
+import glob
 import importlib.metadata
 import json
 import os
@@ -30,6 +33,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -148,6 +152,81 @@ def time_back_to_back(f: Callable, arg_sets: Sequence[tuple], calls: int) -> flo
         out = f(*arg_sets[i % len(arg_sets)])
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / calls
+
+
+# ----------------------------------------------------------------------------- device time
+
+def call_spans_ns(intervals, n_calls):
+    """Device time per call including the gaps between one call's kernels: the kernels'
+    [start, end) ``intervals`` (ns, any order) are merged, and the ``n_calls - 1`` largest idle gaps
+    are taken as the host syncs between calls (each call is waited for, so those gaps hold a
+    dispatch and a sync; a call's own launch gaps are a few microseconds). Returns the summed span
+    over the calls minus those gaps, divided by ``n_calls``; 0.0 without intervals. If a gap inside
+    a call is longer than one between calls, that gap is dropped instead and the span comes out too
+    low: compare it with ``kernel_ms``, its lower bound on one stream."""
+    if n_calls < 1:
+        raise ValueError(f"n_calls must be >= 1, got {n_calls}")
+    if not intervals:
+        return 0.0
+    iv = sorted(intervals)
+    gaps, end, first = [], iv[0][1], iv[0][0]
+    for a, b in iv[1:]:
+        if a > end:
+            gaps.append(a - end)
+        end = max(end, b)
+    gaps.sort(reverse=True)
+    return (end - first - sum(gaps[:max(0, n_calls - 1)])) / n_calls
+
+
+def summarize_trace(xplane_path, n_calls, *, plane_prefix="/device:GPU",
+                    kernel_line_prefix="Stream", module_line="XLA Modules"):
+    """Reads one trace file. Returns a dict: ``kernel_ms`` (kernel durations summed over the
+    planes whose name starts with ``plane_prefix`` and their lines starting with
+    ``kernel_line_prefix``, per call), ``span_ms`` (the ``module_line`` events' durations per call,
+    or, without such a line, :func:`call_spans_ns` of the kernels: kernels plus the launch gaps
+    inside a call; None without kernels), ``kernels`` [(name, calls per call, µs per call)] by time,
+    and ``planes`` {plane: [line names]} as seen."""
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(xplane_path)
+    kern = collections.defaultdict(lambda: [0, 0.0])
+    span, seen, intervals = None, {}, []
+    for plane in data.planes:
+        seen[plane.name] = [line.name for line in plane.lines]
+        if not plane.name.startswith(plane_prefix):
+            continue
+        for line in plane.lines:
+            if line.name == module_line:
+                span = (span or 0.0) + sum(ev.duration_ns for ev in line.events)
+            elif line.name.startswith(kernel_line_prefix):
+                for ev in line.events:
+                    k = kern[ev.name]
+                    k[0] += 1
+                    k[1] += ev.duration_ns
+                    intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+    if span is None and intervals:
+        span = call_spans_ns(intervals, n_calls) * n_calls  # summed over the calls, as above
+    total = sum(v[1] for v in kern.values())
+    rows = sorted(((name, c / n_calls, ns / n_calls / 1e3) for name, (c, ns) in kern.items()),
+                  key=lambda r: -r[2])
+    return {"kernel_ms": total / n_calls / 1e6,
+            "span_ms": None if span is None else span / n_calls / 1e6,
+            "kernels": [(name[:120], round(c, 2), round(us, 2)) for name, c, us in rows],
+            "planes": seen}
+
+
+def trace_calls(f, args, n, **summarize_kw):
+    """Two warm-up calls, then ``n`` calls (each waited for) under the profiler; ``summarize_trace``."""
+    import jax
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+    d = tempfile.mkdtemp(prefix="kernel_trace_")
+    with jax.profiler.trace(d):
+        for _ in range(n):
+            jax.block_until_ready(f(*args))
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        raise RuntimeError(f"no .xplane.pb under {d}")
+    return summarize_trace(max(files, key=os.path.getmtime), n, **summarize_kw)
 
 
 def time_round_robin(fns: Mapping[str, tuple[Callable, tuple]], reps: int, warmup: int = 2

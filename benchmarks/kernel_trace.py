@@ -19,11 +19,7 @@ script does not expect is visible in its output). Shapes, inputs and FLOPs as ``
 (``benchmarks/attention.py``); ``--variants`` names come from ``benchmarks/variants.py``.
 """
 import argparse
-import collections
-import glob
 import json
-import os
-import tempfile
 
 import numpy as np
 
@@ -32,77 +28,8 @@ from benchmarks import harness as H
 from benchmarks import variants as V
 
 
-def call_spans_ns(intervals, n_calls):
-  """Device time per call including the gaps between one call's kernels: the kernels'
-  [start, end) ``intervals`` (ns, any order) are merged, and the ``n_calls - 1`` largest idle gaps
-  are taken as the host syncs between calls (each call is waited for, so those gaps hold a
-  dispatch and a sync; a call's own launch gaps are a few microseconds). Returns the summed span
-  over the calls minus those gaps, divided by ``n_calls``; 0.0 without intervals. If a gap inside
-  a call is longer than one between calls, that gap is dropped instead and the span comes out too
-  low: compare it with ``kernel_ms``, its lower bound on one stream."""
-  if n_calls < 1:
-    raise ValueError(f"n_calls must be >= 1, got {n_calls}")
-  if not intervals:
-    return 0.0
-  iv = sorted(intervals)
-  gaps, end, first = [], iv[0][1], iv[0][0]
-  for a, b in iv[1:]:
-    if a > end:
-      gaps.append(a - end)
-    end = max(end, b)
-  gaps.sort(reverse=True)
-  return (end - first - sum(gaps[:max(0, n_calls - 1)])) / n_calls
-
-
-def summarize(xplane_path, n_calls, *, plane_prefix="/device:GPU", kernel_line_prefix="Stream",
-              module_line="XLA Modules"):
-  """Reads one trace file. Returns a dict: ``kernel_ms`` (kernel durations summed over the
-  planes whose name starts with ``plane_prefix`` and their lines starting with
-  ``kernel_line_prefix``, per call), ``span_ms`` (the ``module_line`` events' durations per call,
-  or, without such a line, :func:`call_spans_ns` of the kernels: kernels plus the launch gaps
-  inside a call; None without kernels), ``kernels`` [(name, calls per call, µs per call)] by time,
-  and ``planes`` {plane: [line names]} as seen."""
-  from jax.profiler import ProfileData
-  data = ProfileData.from_file(xplane_path)
-  kern = collections.defaultdict(lambda: [0, 0.0])
-  span, seen, intervals = None, {}, []
-  for plane in data.planes:
-    seen[plane.name] = [line.name for line in plane.lines]
-    if not plane.name.startswith(plane_prefix):
-      continue
-    for line in plane.lines:
-      if line.name == module_line:
-        span = (span or 0.0) + sum(ev.duration_ns for ev in line.events)
-      elif line.name.startswith(kernel_line_prefix):
-        for ev in line.events:
-          k = kern[ev.name]
-          k[0] += 1
-          k[1] += ev.duration_ns
-          intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
-  if span is None and intervals:
-    span = call_spans_ns(intervals, n_calls) * n_calls  # summed over the calls, as above
-  total = sum(v[1] for v in kern.values())
-  rows = sorted(((name, c / n_calls, ns / n_calls / 1e3) for name, (c, ns) in kern.items()),
-                key=lambda r: -r[2])
-  return {"kernel_ms": total / n_calls / 1e6,
-          "span_ms": None if span is None else span / n_calls / 1e6,
-          "kernels": [(name[:120], round(c, 2), round(us, 2)) for name, c, us in rows],
-          "planes": seen}
-
-
-def trace_calls(f, args, n, **summarize_kw):
-  """Two warm-up calls, then ``n`` calls (each waited for) under the profiler; ``summarize``."""
-  import jax
-  for _ in range(2):
-    jax.block_until_ready(f(*args))
-  d = tempfile.mkdtemp(prefix="kernel_trace_")
-  with jax.profiler.trace(d):
-    for _ in range(n):
-      jax.block_until_ready(f(*args))
-  files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-  if not files:
-    raise RuntimeError(f"no .xplane.pb under {d}")
-  return summarize(max(files, key=os.path.getmtime), n, **summarize_kw)
+# The device-time tracer lives in the harness (other scripts use it too).
+call_spans_ns, summarize, trace_calls = H.call_spans_ns, H.summarize_trace, H.trace_calls
 
 
 DEFAULT_VARIANTS = "two_kernel,fused,mbarrier_bwd"

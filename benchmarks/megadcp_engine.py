@@ -13,6 +13,8 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
                   timed region (the rest of a step: query padding, output gathering);
 * ``kernel_empty`` that launch with no task on any CTA (launch, counter zeroing, teardown);
 * ``noop``        a jitted no-op on ``engine_cw``'s arguments (the host's dispatch floor);
+* ``trace_engine_cw`` (a row field): ``engine_cw``'s device time per call from a profiler trace
+                  (span and kernel time, each call waited for) and its 8 costliest kernels;
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;
@@ -290,6 +292,14 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                 n = 1 if a.interpret else a.calls if m != "xla" else 3
                 ts[m].append(H.time_back_to_back(f, args, n))
         med = {m: float(np.median(v)) for m, v in ts.items()}
+        trace = None
+        if not a.interpret:   # device time per call and the kernels it goes to (each call waited)
+            try:
+                tr = H.trace_calls(*methods["engine_cw"][:1], methods["engine_cw"][1][0], 5)
+                trace = {"span_us": None if tr["span_ms"] is None else 1e3 * tr["span_ms"],
+                         "kernel_us": 1e3 * tr["kernel_ms"], "kernels": tr["kernels"][:8]}
+            except Exception as e:  # noqa: BLE001 - the trace is extra; its failure is recorded
+                trace = {"error": H.error_text(e)}
         fl, byts, flops = floor_s(hist, ql, P, hq, bw, rate)
         check = None
         if P == 1 and "xla" in methods:
@@ -303,12 +313,14 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                "splits_cw": list(map(int, vs["cw"].plan.splits)),
                "splits_fa3": list(map(int, vs["fa3"].plan.splits)),
                "floor_s": fl, "bytes": byts, "flops": flops, "median_s": med,
-               "compile_s": comp, "rel_err_engine_vs_xla": check,
+               "compile_s": comp, "rel_err_engine_vs_xla": check, "trace_engine_cw": trace,
                "frac_floor": {m: fl / v for m, v in med.items()}}
         rows.append(row)
         line = " ".join(f"{m}={v * 1e6:.0f}" for m, v in med.items())
+        span = (trace or {}).get("span_us")
         print(f"{cname} P={P} floor={fl * 1e6:.0f}us {line}"
-              + (f" err_vs_xla={check:.1e}" if check is not None else ""), flush=True)
+              + (f" err_vs_xla={check:.1e}" if check is not None else "")
+              + (f" engine_cw_device_span={span:.0f}us" if span is not None else ""), flush=True)
     return rows
 
 
@@ -349,7 +361,7 @@ def main(argv=None) -> int:
         return calibration(a, argv)
     G = 4 if a.interpret else eng.EngineConfig().grid()
     bw, rate = (1e12, 1e14) if a.interpret else ceilings()
-    report = H.Report("benchmarks.megadcp_engine", a.out, argv, quiet=("splits_cw", "splits_fa3"),
+    report = H.Report("benchmarks.megadcp_engine", a.out, argv, quiet=("splits_cw", "splits_fa3", "trace_engine_cw"),
                       num_sms=G, copy_bytes_per_s=bw, matmul_flops_per_s=rate)
     print(f"device {report.meta['device_kind']}, {G} SMs, jax {report.meta['jax']}; copy "
           f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
