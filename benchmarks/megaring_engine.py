@@ -26,7 +26,7 @@ over the launch time (the engine steps: all ``P`` ranks share the GPU in one lau
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
         [--steps segment_ring,fused_merge,staged,fused_tau1,fused] [--reps 10] [--budget-s S] [--out PATH]
-    python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens
+    python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens, 2 heads
 
 On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
 staged step in the Mosaic GPU interpreter (tiles of 64 rows) and checks it against float64.
@@ -62,7 +62,7 @@ def build(lengths, ranks: int, tile: int, task_tiles: int, comm: int = 2, heads:
     the plan's."""
     from liquidcp_jax.megaring.emulated import EmulatedRing
     ring = EmulatedRing(lengths, ranks, tile=tile, task_tiles=task_tiles, comm_per_rank=comm)
-    lay, tb, geom, _ = ring._engine(heads)
+    lay, tb, geom, _ = ring.engine_tables(heads)
     return ring.layout, tb, geom
 
 

@@ -99,7 +99,7 @@ def test_head_copies_lay_out_each_head_like_the_plan():
     P, T, S, C = 4, sum(lengths), len(lengths), ring.layout.capacity
     starts, sizes = head_copies(*ring._placement, P, 4)
     assert starts.tolist()[S:2 * S] == (ring._placement[0] + P).tolist()
-    lay3 = ring._engine(4)[0]
+    lay3 = ring.engine_tables(4)[0]
     assert lay3.capacity == C
     one = ring.layout
     for h in range(4):

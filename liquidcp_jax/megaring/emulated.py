@@ -61,20 +61,21 @@ class EmulatedRing:
             raise ValueError(f'placement must be "buddyring" or "all_cp"; got {placement!r}')
         pl = getattr(placement_lib, placement)(lengths.tolist(), int(num_ranks))
         self.lengths = lengths
-        self.num_ranks_ = int(num_ranks)
+        self._num_ranks = int(num_ranks)
         self._placement = (np.asarray(pl.starts, np.int64), np.asarray(pl.sizes, np.int64))
         self._build = dict(tile=int(tile), task_tiles=task_tiles, comm_per_rank=comm_per_rank)
         self._engines = {}   # head copies -> (layout, tables, geometry, staged protocol run)
-        self.layout, self.tables, self.geometry = self._engine(1)[:3]
+        self.layout, self.tables, self.geometry = self.engine_tables(1)[:3]
         self._src = np.asarray(self.layout.shard_src)
 
-    def _engine(self, copies: int, *, sim: bool = False):
-        """``(layout, tables, geometry, sim)`` of ``copies`` head copies on ``copies * P``
-        virtual ranks (cached; ``sim``: also the protocol run the staged engine's task lists
-        come from)."""
+    def engine_tables(self, heads: int, *, sim: bool = False):
+        """``[layout, tables, geometry, sim]`` of ``heads`` copies of the plan on ``heads * P``
+        virtual ranks (cached; ``heads = 1``: the plan itself). ``sim``: also the protocol run
+        the staged engine's task lists come from (else None until asked for)."""
+        copies = int(heads)
         if copies not in self._engines:
             from liquidcp_jax.pallas import megaring_transport as mt
-            P, B = int(self.num_ranks_), self._build["tile"]
+            P, B = self._num_ranks, self._build["tile"]
             starts, sizes = head_copies(*self._placement, P, copies)
             cap = None if copies == 1 else self.layout.capacity
             lay = build_layout(np.tile(self.lengths, copies), starts, sizes, copies * P, B,
@@ -92,7 +93,7 @@ class EmulatedRing:
 
     @property
     def num_ranks(self) -> int:
-        return self.num_ranks_
+        return self._num_ranks
 
     def shard(self, x):
         """Packed ``[T, ...]`` -> the CP layout ``[P * C, ...]`` (padding rows 0)."""
@@ -153,7 +154,7 @@ class EmulatedRing:
         h0 = 0
         while h0 < hq:   # launches of a power of two of heads (the ring geometry's rank count)
             n = 1 << (min(launch_heads, hq - h0).bit_length() - 1)
-            _, tb, geom, sim = self._engine(n, sim=mode == "staged")
+            _, tb, geom, sim = self.engine_tables(n, sim=mode == "staged")
             stack = lambda x, heads: jnp.moveaxis(x[:, heads], 1, 0).reshape(-1, x.shape[-1])  # noqa: E731
             qs = stack(q, np.arange(h0, h0 + n))
             ks, vs = stack(k, kv_of[h0:h0 + n]), stack(v, kv_of[h0:h0 + n])
