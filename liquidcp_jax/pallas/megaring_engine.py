@@ -50,8 +50,8 @@ backward is :mod:`megaring_engine_bwd` / ``_bwd_fused``. K / V of a task's tiles
 stages (tile ``i + 1`` while tile ``i`` computes; since 2026-12-05, third session, checked in the
 interpreter and lowered, not yet run on the GPU). Not tuned: one warpgroup per CTA (no
 ping-pong), each 64-row half of a Q tile reads the task's K / V tiles again, the scan reads every
-segment's counters per claim, one head per launch's rank (``EmulatedRing`` runs several heads in
-one launch as copies of the plan on virtual ranks). The running state is written by TMA (async
+segment's counters per claim, one head per rank (``EmulatedRing`` runs several heads in one
+launch as copies of the plan on virtual ranks). The running state is written by TMA (async
 proxy) in one CTA and read by TMA in the next lock holder, ordered by the lock's release /
 acquire after ``wait_smem_to_gmem(0)``, the collective-matmul pattern.
 """
