@@ -81,7 +81,7 @@ def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool):
     from liquidcp_jax.pallas import megaring_engine as me
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
     from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
-    P = geom.num_ranks
+    P = geom.num_ranks   # heads * ranks; the fused launches raise if P * cpr exceeds the SMs
     cpr = max(num_sms // P, tb.comm_per_rank + 1)
     sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
 
@@ -235,6 +235,9 @@ def main(argv=None):
     H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)
     a = ap.parse_args(argv)
     a.steps = H.parse_list(a.steps, allowed=STEPS, name="--steps")
+    if a.heads < 1 or a.heads & (a.heads - 1):
+        ap.error(f"--heads must be a power of two (heads run as copies on virtual ranks); got "
+                 f"{a.heads}")
     if a.interpret:
         a.cases, a.steps, a.tile, a.heads, a.head_dim = "pilecc:2K:4", ["staged"], 64, 2, 64
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms

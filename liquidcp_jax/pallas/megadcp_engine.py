@@ -502,7 +502,7 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
     # the query tokens that see a bad one are marked after (bad Q / K stay in their rows: masked
     # scores are selected away).
     contain = config.contain_bad_data
-    if contain:
+    if contain:   # before kernel_inputs pads the new KV: bad_new has a row per query token
         v_new, bad_new = _clean_rows(v_new)
     res, partials = run(*tb, *kernel_inputs(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, shape,
                                             interpret))

@@ -288,8 +288,11 @@ def zero_v_rows(cx: StepCtx, slot, j):
   ``[kv_lo, kv_hi)``, in SMEM, before P V. A masked key has probability 0, but 0 * NaN is NaN:
   where a tile holds another sequence's rows (the MegaDCP engine's history tiles), a bad value
   there would reach this task's rows. Both compute warpgroups write the same values (zeros, or
-  the row unchanged), so neither needs to wait for the other; 64 rows at a time bound the
-  registers."""
+  the row unchanged), so neither waits for the other; each fences its own stores before its own
+  MMA. The other warpgroup's identical stores may overlap that MMA's reads: benign on the
+  hardware (the bytes do not change), but outside what the PTX memory model promises; to confirm
+  on the GPU (``test_megadcp_engine_gpu.py::test_bad_data_stays_in_its_rows``). 64 rows at a
+  time bound the registers."""
   half = min(cx.bkv, 64)
   for h in range(cx.bkv // half):
     ref = cx.v_smem.at[slot, pl.ds(h * half, half)]
