@@ -295,7 +295,8 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         trace = None
         if not a.interpret:   # device time per call and the kernels it goes to (each call waited)
             try:
-                tr = H.trace_calls(*methods["engine_cw"][:1], methods["engine_cw"][1][0], 5)
+                f_cw, args_cw = methods["engine_cw"]
+                tr = H.trace_calls(f_cw, args_cw[0], 5)
                 trace = {"span_us": None if tr["span_ms"] is None else 1e3 * tr["span_ms"],
                          "kernel_us": 1e3 * tr["kernel_ms"], "kernels": tr["kernels"][:8]}
             except Exception as e:  # noqa: BLE001 - the trace is extra; its failure is recorded

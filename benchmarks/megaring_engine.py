@@ -78,26 +78,14 @@ def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool):
     """The engine steps as ``{name: (forward(q, k, v) -> (out, lse), backward(q, k, v, out, lse,
     do) -> (dq, dk, dv))}`` over the geometry's (virtual) ranks: every head in one launch."""
     from liquidcp_jax.megaring import engine_protocol as ep
-    from liquidcp_jax.pallas import megaring_engine as me
-    from liquidcp_jax.pallas import megaring_engine_bwd as mb
-    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
+    from liquidcp_jax.megaring.emulated import engine_launches
     P = geom.num_ranks   # heads * ranks; the fused launches raise if P * cpr exceeds the SMs
     cpr = max(num_sms // P, tb.comm_per_rank + 1)
     sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
-
-    def fused(t):
-        return (lambda q, k, v: me.forward_launch(q, k, v, t, geom, scale=scale, ctas_per_rank=cpr),
-                lambda *x: mbf.backward_fused(*x, t, geom, scale=scale, ctas_per_rank=cpr))
-
-    return {
-        "staged": (lambda q, k, v: me.forward_staged(q, k, v, tb, geom, scale=scale,
-                                                     num_ctas=P * cpr, sim=sim,
-                                                     interpret=interpret),
-                   lambda *x: mb.backward_staged(*x, tb, geom, scale=scale, num_ctas=P * cpr,
-                                                 interpret=interpret)),
-        "fused_tau1": fused(tb1),
-        "fused": fused(tb),
-    }
+    kw = dict(scale=scale, ctas_per_rank=cpr)
+    return {"staged": engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw),
+            "fused_tau1": engine_launches("fused", tb1, geom, **kw),
+            "fused": engine_launches("fused", tb, geom, **kw)}
 
 
 def measure(case: H.Case, a, num_sms: int) -> list[dict]:

@@ -125,9 +125,6 @@ class EmulatedRing:
         shared out, at least ``comm_per_rank + 1``, fused; 2, staged). Rows of padding are
         returned as 0 (out) and ``-inf`` (lse). Differentiable in ``q``, ``k``, ``v`` through
         ``out`` (the engine's backward of the same mode; ``lse`` carries no gradient)."""
-        from liquidcp_jax.pallas import megaring_engine as me
-        from liquidcp_jax.pallas import megaring_engine_bwd as mb
-        from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[0] != k.shape[0]:
@@ -150,27 +147,24 @@ class EmulatedRing:
             launch_heads = hq
         valid = jnp.asarray(self.layout.tok_seq.reshape(-1) >= 0)
         kv_of = np.arange(hq) // (hq // hkv)
+
+        def stack(x, heads):   # [P * C, H, D] -> [n * P * C, D]: virtual rank h * P + r
+            return jnp.moveaxis(x[:, heads], 1, 0).reshape(-1, x.shape[-1])
+
         outs, lses = [], []
         h0 = 0
         while h0 < hq:   # launches of a power of two of heads (the ring geometry's rank count)
             n = 1 << (min(launch_heads, hq - h0).bit_length() - 1)
             _, tb, geom, sim = self.engine_tables(n, sim=mode == "staged")
-            stack = lambda x, heads: jnp.moveaxis(x[:, heads], 1, 0).reshape(-1, x.shape[-1])  # noqa: E731
-            qs = stack(q, np.arange(h0, h0 + n))
-            ks, vs = stack(k, kv_of[h0:h0 + n]), stack(v, kv_of[h0:h0 + n])
             if mode == "fused":
                 cpr = ctas_per_rank or max(num_sms() // (n * P), W + 1)
-                run = lambda a, b, c, tb=tb, geom=geom, cpr=cpr: me.forward_launch(  # noqa: E731
-                    a, b, c, tb, geom, scale=scale, ctas_per_rank=cpr)
-                grad = lambda *x, tb=tb, geom=geom, cpr=cpr: mbf.backward_fused(  # noqa: E731
-                    *x, tb, geom, scale=scale, ctas_per_rank=cpr)
             else:
-                nc = n * P * (ctas_per_rank or 2)
-                run = lambda a, b, c, tb=tb, geom=geom, sim=sim, nc=nc: me.forward_staged(  # noqa: E731
-                    a, b, c, tb, geom, scale=scale, num_ctas=nc, sim=sim, interpret=interpret)
-                grad = lambda *x, tb=tb, geom=geom, nc=nc: mb.backward_staged(  # noqa: E731
-                    *x, tb, geom, scale=scale, num_ctas=nc, interpret=interpret)
-            o, l = _engine_head(run, grad)(qs, ks, vs)
+                cpr = ctas_per_rank or 2
+            run, grad = engine_launches(mode, tb, geom, scale=scale, ctas_per_rank=cpr, sim=sim,
+                                        interpret=interpret)
+            heads = np.arange(h0, h0 + n)
+            o, l = _engine_head(run, grad)(stack(q, heads), stack(k, kv_of[heads]),
+                                           stack(v, kv_of[heads]))
             o = jnp.moveaxis(o.reshape(n, -1, o.shape[-1]), 0, 1)    # [P * C, n, D]
             l = jnp.moveaxis(l.reshape(n, -1), 0, 1)
             outs.append(jnp.where(valid[:, None, None], o, 0).astype(q.dtype))
@@ -183,6 +177,35 @@ class EmulatedRing:
         (:meth:`attention_sharded` between :meth:`shard` and :meth:`unshard`)."""
         out, _ = self.attention_sharded(self.shard(q), self.shard(k), self.shard(v), **kw)
         return self.unshard(out)
+
+
+def engine_launches(mode: str, tables, geometry, *, scale: float, ctas_per_rank: int,
+                    sim: dict | None = None, interpret: bool = False):
+    """``(forward(q, k, v) -> (out, lse), backward(q, k, v, out, lse, do) -> (dq, dk, dv))`` of
+    the engine in ``mode`` over ``geometry``'s (virtual) ranks, ``[ranks * C, D]`` arrays,
+    ``ctas_per_rank`` CTAs per rank; ``sim``: the staged mode's protocol run."""
+    from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
+    if mode == "fused":
+        def forward(q, k, v):
+            return me.forward_launch(q, k, v, tables, geometry, scale=scale,
+                                     ctas_per_rank=ctas_per_rank)
+
+        def backward(*x):
+            return mbf.backward_fused(*x, tables, geometry, scale=scale,
+                                      ctas_per_rank=ctas_per_rank)
+        return forward, backward
+    n = geometry.num_ranks * ctas_per_rank
+
+    def staged_forward(q, k, v):
+        return me.forward_staged(q, k, v, tables, geometry, scale=scale, num_ctas=n, sim=sim,
+                                 interpret=interpret)
+
+    def staged_backward(*x):
+        return mb.backward_staged(*x, tables, geometry, scale=scale, num_ctas=n,
+                                  interpret=interpret)
+    return staged_forward, staged_backward
 
 
 def head_copies(starts, sizes, num_ranks: int, copies: int):
@@ -215,4 +238,4 @@ def _engine_head(run, grad):
     return head
 
 
-__all__ = ["EmulatedRing", "MODES", "head_copies"]
+__all__ = ["EmulatedRing", "MODES", "engine_launches", "head_copies"]
