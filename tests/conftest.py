@@ -19,6 +19,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# Run single-device CPU computations inline instead of queueing them. With async dispatch the
+# caller runs ahead of a running Pallas interpret-mode kernel and queues computations behind
+# it, and XLA:CPU allows only 32 in flight per device (PjRtCpuDevice's
+# max_inflight_computations_per_device, fixed at 32 in jaxlib). Once they are all queued, the
+# kernel's own work (the interpreter's per-thread jitted computations, and the jnp calls inside
+# its callbacks) waits for a free slot that no one will release, and the test hangs (seen in
+# tests/test_segment_ring.py::test_emulated_ring_pallas_interpret under xdist). This must be
+# set before the CPU backend is created.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 
 @pytest.fixture(scope="session")
 def mesh8():
