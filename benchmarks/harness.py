@@ -448,6 +448,14 @@ class Table:
 
 # ------------------------------------------------------------------------------ command line
 
+def interpret_mode() -> None:
+    """Call before an ``--interpret`` run: CPU computations then run inline, as in the tests. A
+    caller running ahead of an interpreted kernel can otherwise take all of XLA:CPU's 32
+    in-flight slots per device and leave the kernel waiting forever (docs/kernels.md, Testing)."""
+    import jax
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def add_common_args(ap: argparse.ArgumentParser, out: str, *, budget_s: float | None = None,
                     reps: int | None = None) -> None:
     """The options every script shares: ``--out`` (default ``out``), ``--budget-s`` and, for

@@ -356,6 +356,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     global INTERPRET
     INTERPRET = a.interpret
+    if a.interpret:
+        H.interpret_mode()
     if a.pack_only:
         return pack_timing(a, argv)
     if a.calibrate:

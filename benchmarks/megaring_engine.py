@@ -227,6 +227,7 @@ def main(argv=None):
         ap.error(f"--heads must be a power of two (heads run as copies on virtual ranks); got "
                  f"{a.heads}")
     if a.interpret:
+        H.interpret_mode()
         a.cases, a.steps, a.tile, a.heads, a.head_dim = "pilecc:2K:4", ["staged"], 64, 2, 64
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     G = 132 if a.interpret else num_sms()
