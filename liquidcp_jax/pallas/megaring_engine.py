@@ -336,6 +336,9 @@ def peer_fence(axis: str, done, *keep):
 # ----------------------------------------------------------------------------- fused forward
 
 _BQ = 64   # query rows per half task (one warpgroup's wgmma M)
+# TMA copies per K stage on kbar (K, its keys' sequence ids, their positions), each unconditional:
+# a copy made conditional would leave the stage's phase incomplete.
+_K_COPIES = 3
 
 
 def forward_tables(tb: ep.EngineTables, geom: RingGeometry) -> dict:
@@ -515,7 +518,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
 
                 def issue(i, st):
                     """TMA loads of logical tile ``i`` into stage ``st``: K, its keys' sequence
-                    ids and positions on ``kbar[st]`` (3 arrivals), V on ``vbar[st]``."""
+                    ids and positions on ``kbar[st]`` (_K_COPIES arrivals: exactly one of the
+                    two K branches copies), V on ``vbar[st]``."""
                     local = i < nl
                     b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
                     mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
@@ -683,7 +687,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             plgpu.Barrier(num_barriers=2), plgpu.SMEM((1,), jnp.int32),
             plgpu.SMEM((_BQ, D), dtype, transforms=tf), plgpu.SMEM((2, B, D), dtype, transforms=tf),
             plgpu.SMEM((2, B, D), dtype, transforms=tf), plgpu.SMEM((_BQ, D), jnp.float32),
-            plgpu.SMEM((_BQ,), jnp.float32), plgpu.Barrier(num_arrivals=3, num_barriers=2),
+            plgpu.SMEM((_BQ,), jnp.float32), plgpu.Barrier(num_arrivals=_K_COPIES, num_barriers=2),
             plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
             plgpu.SMEM((2, _BQ), jnp.int32), plgpu.SMEM((2, 2, B), jnp.int32),
             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),

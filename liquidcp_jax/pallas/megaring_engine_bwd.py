@@ -168,16 +168,21 @@ class Ins(NamedTuple):
     rv: object
 
 
+# Unconditional TMA copies per query-side load (Q, dO, lse2, delta, ids, positions): a copy
+# made conditional would leave its qbar phase incomplete.
+_Q_COPIES = 6
+
+
 def scratch(D: int, dtype, interpret: bool):
     """The SMEM of :class:`Bufs` (``pl.run_scoped`` arguments, in field order)."""
     tf = _transforms(dtype)
     op = lambda *st: plgpu.SMEM(st + (_H, D), dtype, transforms=tf)  # noqa: E731
     # The query side (Q, dO, lse2 / delta, ids / positions) in two stages: the next (entry,
-    # half) loads while this one computes; qbar[stage] counts its 6 copies.
+    # half) loads while this one computes; qbar[stage] counts its _Q_COPIES copies.
     return (op(), op(), op(2), op(2), plgpu.SMEM((_H, _H), dtype, transforms=tf),
             plgpu.SMEM((_H, D), jnp.float32), plgpu.SMEM((2, 2, _H), jnp.float32),
             plgpu.SMEM((2, _H), jnp.int32), plgpu.SMEM((2, 2, _H), jnp.int32),
-            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_arrivals=6, num_barriers=2),
+            plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_arrivals=_Q_COPIES, num_barriers=2),
             plgpu.SMEM((_H, _H), dtype, transforms=tf) if interpret else None)
 
 
@@ -222,9 +227,10 @@ def key_half(s: Bufs, r: Ins, *, remote, kv_row, meta_row, e0, ne, hk, B, D, dty
     def q_issue(e, hq, st):
         """TMA loads of entry ``e``'s query half ``hq`` into stage ``st``."""
         qrow = pl.multiple_of(r.ent[e, 0] + hq * _H, 8)
-        for src, dst in ((r.q, s.q.at[st]), (r.do, s.do.at[st]), (r.lse, s.qf.at[st, 0]),
-                         (r.dl, s.qf.at[st, 1]), (r.seq, s.qmeta.at[st, 0]),
-                         (r.pos, s.qmeta.at[st, 1])):
+        copies = ((r.q, s.q.at[st]), (r.do, s.do.at[st]), (r.lse, s.qf.at[st, 0]),
+                  (r.dl, s.qf.at[st, 1]), (r.seq, s.qmeta.at[st, 0]), (r.pos, s.qmeta.at[st, 1]))
+        assert len(copies) == _Q_COPIES  # qbar completes a phase after exactly this many
+        for src, dst in copies:
             plgpu.copy_gmem_to_smem(src.at[pl.ds(qrow, _H)], dst, s.qbar.at[st])
 
     pl.when(ne > 0)(lambda: q_issue(e0, 0, 0))
