@@ -303,6 +303,31 @@ def zero_v_rows(cx: StepCtx, slot, j):
   plgpu.commit_smem()   # the generic-proxy writes, before the async-proxy wgmma reads them
 
 
+def store_task_rows(acc, m_i, l_i, o_smem, lse_smem, out_dtype, has_state, out_rows, lse_dst,
+                    q_lo, q_hi, r0, before_write=None):
+  """A warpgroup's epilogue: normalizes ``acc`` [bq, D] (``m_i`` base-2, ``l_i``: row max and
+  sum) into ``o_smem`` / ``lse_smem`` (natural-log LSE, -inf on empty rows; merged with a carried
+  state's), then stores the task's rows ``[q_lo, q_hi)`` that fall in this warpgroup's rows
+  ``[r0, r0 + bq)`` through ``out_rows(off, n)`` (the gmem ref of its rows ``off .. off + n``)
+  and the whole LSE tile to ``lse_dst()`` (a function, so that its index arithmetic comes after
+  the output stores, as it did inline); the stores are issued, not waited for.
+  ``before_write``: called before the staging buffers are written (a persistent CTA waits there
+  for its previous item's stores)."""
+  bq = acc.shape[0]
+  empty = l_i == 0.0
+  inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
+  if before_write is not None:
+    before_write()
+  o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
+  lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
+  lse_smem[...] = state_lse(lse_smem, lse, m_i, l_i) if has_state else lse
+  plgpu.commit_smem()
+  lo = jnp.clip(q_lo - r0, 0, bq)
+  hi = jnp.clip(q_hi - r0, 0, bq)
+  ladder_store(o_smem, out_rows, lo, hi - lo, bq)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_dst())
+
+
 def state_load(o_in_ref, l_in_ref, rows, head, o_smem, lse_smem, bar):
   """Issues the TMA loads of a carried state's ``rows`` of ``head`` (``o_in_ref`` [Tq, Hq, D],
   ``l_in_ref`` [Hq, Tq]) into this warpgroup's output / LSE staging; ``bar`` counts 2 arrivals."""
@@ -342,6 +367,26 @@ def state_lse(lse_smem, lse, m_i, l_i):
   return jnp.where((m_i == prev * LOG2E) & (l_i == 1.0), prev, lse)
 
 
+class LaunchDims(NamedTuple):
+  """The static sizes a forward launch derives from its arguments (both forward builders)."""
+  tq: int           # query rows
+  hq: int           # query heads
+  d: int            # head dim
+  group: int        # query heads per KV head
+  dtype: Any        # q's
+  out_dtype: Any    # the carried state's, else q's
+  has_state: bool
+  scale2: float     # sm_scale * log2(e): the kernels work in base 2
+
+
+def launch_dims(q, k, state, sm_scale) -> LaunchDims:
+  tq, hq, d = q.shape
+  has_state = state is not None
+  return LaunchDims(tq, hq, d, hq // k.shape[1], q.dtype,
+                    state[0].dtype if has_state else q.dtype, has_state,
+                    float(sm_scale) * LOG2E)
+
+
 def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: float,
                        config: TuningConfig, interpret: bool = False, state=None):
   """Runs the forward kernel.
@@ -354,15 +399,9 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
   float32 natural log, transposed)``; then out has out_prev's dtype and is the merge of the state
   and this call's keys on every row of the tasks (module docstring).
   """
-  tq, hq, d = q.shape
-  tk, hkv, _ = k.shape
-  dtype = q.dtype
-  has_state = state is not None
-  out_dtype = state[0].dtype if has_state else dtype
+  tq, hq, d, group, dtype, out_dtype, has_state, scale2 = launch_dims(q, k, state, sm_scale)
   bq, bkv, mcs = ROWS, config.block_kv, config.max_concurrent_steps
   tr = TASK_ROWS
-  group = hq // hkv
-  scale2 = float(sm_scale) * LOG2E
   fld = tables_lib.F
 
   def kernel(tab_ref, q_ref, k_ref, v_ref, *refs):
@@ -414,17 +453,9 @@ def tile_attention_fwd(q, k, v, table, n_tasks: int, *, causal: bool, sm_scale: 
       acc, m_i, l_i = masked_split_loop(step, 0, full_lo, full_hi, n_tiles, carry)
       cx.sched_end(wait=False)  # one KV loop per CTA
 
-      empty = l_i == 0.0
-      inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
-      o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
-      lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
-      lse_smem[...] = state_lse(lse_smem, lse, m_i, l_i) if has_state else lse
-      plgpu.commit_smem()
-      lo = jnp.clip(q_lo - r0, 0, bq)
-      hi = jnp.clip(q_hi - r0, 0, bq)
-      ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
-                    lo, hi - lo, bq)
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(task * tr + r0, bq)])
+      store_task_rows(acc, m_i, l_i, o_smem, lse_smem, out_dtype, has_state,
+                      lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
+                      lambda: lse_ref.at[head, pl.ds(task * tr + r0, bq)], q_lo, q_hi, r0)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)

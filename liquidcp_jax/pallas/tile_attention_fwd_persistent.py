@@ -30,12 +30,12 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.pallas import tables as tables_lib
-from liquidcp_jax.pallas.common import (LN2, LOG2E, ROWS, TASK_ROWS, interpret_params,
-                                        ladder_store, masked_split_loop)
+from liquidcp_jax.pallas.common import (ROWS, TASK_ROWS, interpret_params,
+                                        masked_split_loop)
 from liquidcp_jax.pallas.sync import RingRelease, produce_persistent_task
 from liquidcp_jax.pallas.tile_attention_fwd import (StepCtx, TuningConfig, forward_scratch,
-                                                   initial_carry, softmax_step, state_load,
-                                                   state_lse)
+                                                   initial_carry, launch_dims, softmax_step,
+                                                   state_load, store_task_rows)
 
 
 def num_sms(default: int = 132) -> int:
@@ -61,15 +61,9 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
   and lse_pad [Hq, n_tasks * task_rows] float32 (natural log). ``state``: None or
   ``(out_prev [Tq, Hq, D], lse_prev_t [Hq, Tq])`` as in ``tile_attention_fwd``.
   """
-  tq, hq, d = q.shape
-  tk, hkv, _ = k.shape
-  dtype = q.dtype
-  has_state = state is not None
-  out_dtype = state[0].dtype if has_state else dtype
+  tq, hq, d, group, dtype, out_dtype, has_state, scale2 = launch_dims(q, k, state, sm_scale)
   bq, bkv, mcs = ROWS, config.block_kv, config.max_concurrent_steps
   tr = TASK_ROWS
-  group = hq // hkv
-  scale2 = float(sm_scale) * LOG2E
   fld = tables_lib.F
   n_items = n_tasks * hq
   g_ctas = max(1, min(config.num_ctas or num_sms(), n_items))
@@ -143,19 +137,11 @@ def tile_attention_fwd_persistent(q, k, v, table, n_tasks: int, *, causal: bool,
           pl.when(n_tiles == 0)(lambda: plgpu.barrier_arrive(q_free))  # gap task: no Q K^T
           cx.sched_end(wait=True)
 
-          empty = l_i == 0.0
-          inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
           # The previous item's stores read o_smem / lse_smem asynchronously: let them finish.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
-          lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
-          lse_smem[...] = state_lse(lse_smem, lse, m_i, l_i) if has_state else lse
-          plgpu.commit_smem()
-          lo = jnp.clip(q_lo - r0, 0, bq)
-          hi = jnp.clip(q_hi - r0, 0, bq)
-          ladder_store(o_smem, lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
-                        lo, hi - lo, bq)
-          plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[head, pl.ds(task * tr + r0, bq)])
+          store_task_rows(acc, m_i, l_i, o_smem, lse_smem, out_dtype, has_state,
+                          lambda off, n: out_ref.at[pl.ds(q_base + r0 + off, n), head],
+                          lambda: lse_ref.at[head, pl.ds(task * tr + r0, bq)], q_lo, q_hi, r0,
+                          before_write=lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
 
         return c0 + n_tiles
 
