@@ -8,6 +8,8 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
 * ``engine_cw4``  the fused engine with critical-wave splits under a smaller per-task overhead
                   (``delta_attn = 4``; a guess, not a calibration);
 * ``engine_fa3``  the fused engine with FA3-derived splits (Fig. 12 analogue: plan vs plan);
+* ``engine_cw_b64x4`` (``--configs 64x4``, ...) ``engine_cw`` on another KV ring: 64-key tiles in
+                  4 slots keep more K/V in flight per CTA than the default 2 x 128 keys;
 * ``engine_cw_unchecked``  ``engine_cw`` with ``contain_bad_data=False`` (the containment's cost);
 * ``kernel_cw``   the fused launch of ``engine_cw_unchecked`` alone, on inputs prepared outside the
                   timed region (the rest of a step: query padding, output gathering);
@@ -146,9 +148,10 @@ def plan_variants(hist, ql, P, hq, G):
 INTERPRET = False
 
 
-def engine_fn(shape, fused, scale, contain=True):
+def engine_fn(shape, fused, scale, contain=True, mcs=2):
     cfg = eng.EngineConfig(num_ctas=shape.num_ctas, fused=fused and not INTERPRET,
-                           contain_bad_data=contain)
+                           contain_bad_data=contain, block_kv=shape.block_kv,
+                           max_concurrent_steps=mcs)
 
     @jax.jit
     def f(qc, qa, kn, vn, kh, vh, tables):
@@ -198,6 +201,14 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
             p = et.pack_engine(t, 0, num_ctas=G)
             caps = {k: max(caps[k], v) for k, v in p.shape.capacities.items()}
             tq, hr = max(tq, p.shape.tq_cap), max(hr, p.shape.hist_rows)
+    # --configs: the critical-wave plan's tables for each other KV tile size (one bucket each)
+    cfg_caps = {}
+    for bkv, _ in a.configs:
+        c = {"attn": 0, "red": 0, "red_inputs": 0}
+        for vs in variants:
+            p = et.pack_engine(vs["cw"], 0, num_ctas=G, block_kv=bkv, tq_cap=tq, hist_rows=hr)
+            c = {k: max(c[k], v) for k, v in p.shape.capacities.items()}
+        cfg_caps[bkv] = c
     fns = {}
     for (cname, hist, ql, kind), vs in zip(cases, variants):
         heads, nq = P * hq, int(np.sum(ql))
@@ -239,12 +250,20 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         no_tasks = tb4[:3] + (jnp.zeros_like(tb4[3]),)   # cta_off all 0: every list empty
         methods["kernel_cw"] = (launch, [(tb4,) + k for k in kin])
         methods["kernel_empty"] = (launch, [(no_tasks,) + kin[0]])
+        for bkv, mcs in a.configs:   # the same plan on other KV ring shapes (tile keys x slots)
+            pc = et.pack_engine(vs["cw"], 0, num_ctas=G, block_kv=bkv, capacities=cfg_caps[bkv],
+                                tq_cap=tq, hist_rows=hr)
+            key = ("cfg", bkv, mcs)
+            fns.setdefault(key, engine_fn(pc.shape, True, scale, mcs=mcs))
+            tbc = jax.device_put(pc.tables)
+            methods[f"engine_cw_b{bkv}x{mcs}"] = (fns[key], [s_ + (tbc,) for s_ in sets])
         # The harness's floor: a jitted no-op on engine_cw's arguments (host dispatch and one
         # tiny kernel; back-to-back calls time the larger of host and device per call).
         noop = jax.jit(lambda *x: x[0][:1, :1])
         methods["noop"] = (noop, methods["engine_cw"][1])
         if a.interpret:  # the interpreter runs a kernel in minutes: one method, once
-            methods = {k: methods[k] for k in ("staged_cw", "kernel_empty")}
+            methods = {k: v for k, v in methods.items()
+                       if k in ("staged_cw", "kernel_empty") or k.startswith("engine_cw_b")}
         decode_only = all(x == ql[0] for x in ql)
         if decode_only and gname.startswith("syn") and not a.interpret:   # padded baselines: synthetic cases
             B, qn = len(hist), int(ql[0])
@@ -351,9 +370,13 @@ def main(argv=None) -> int:
                     help="--calibrate: also fit here (minutes of host time per batch)")
     ap.add_argument("--clock-ghz", type=float, default=None,
                     help="--calibrate: SM clock (default: nvidia-smi's clocks.sm after the run)")
+    ap.add_argument("--configs", default="",
+                    help="comma list of BLOCK_KVxSLOTS engine ring shapes also timed with the "
+                         "critical-wave plan (e.g. 64x3,64x4; default 128x2 is engine_cw)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke test: one tiny case, 4 CTAs, the Mosaic GPU interpreter")
     a = ap.parse_args(argv)
+    a.configs = parse_configs(ap, a.configs)
     global INTERPRET
     INTERPRET = a.interpret
     if a.interpret:
@@ -376,6 +399,20 @@ def main(argv=None) -> int:
     report.update(summary=summary)
     print_table(rows, summary)
     return 0
+
+
+def parse_configs(ap, text: str) -> list[tuple[int, int]]:
+    """``"64x3,64x4"`` -> ``[(64, 3), (64, 4)]``, each a valid :class:`EngineConfig` at D."""
+    out = []
+    for item in H.parse_list(text) if text else []:
+        try:
+            bkv, mcs = (int(x) for x in item.lower().split("x"))
+            eng.check_inputs(DTYPE, D, eng.EngineConfig(block_kv=bkv, max_concurrent_steps=mcs),
+                             True)
+        except ValueError as e:
+            ap.error(f"--configs: {item!r} is not BLOCK_KVxSLOTS of a valid engine config ({e})")
+        out.append((bkv, mcs))
+    return out
 
 
 def sm_clock_ghz():
@@ -510,7 +547,7 @@ def summarize(rows):
                                                     ("engine_cw", "engine_cw4", "engine_fa3"))
                  for r in mc])
     for r in rows:
-        if r["group"].startswith("syn") and best_engine(r["median_s"]) is not None:
+        if r["group"].startswith("syn") and "engine_cw" in r["median_s"]:
             m = r["median_s"]
             best = best_engine(m)
             out[r["case"]] = {"frac_floor_best_engine": r["floor_s"] / best,
@@ -521,12 +558,14 @@ def summarize(rows):
 
 def best_engine(m):
     """The fastest fused-engine time of a row's medians (None where none ran, e.g. --interpret)."""
-    ts = [m[k] for k in ("engine_cw", "engine_cw4", "engine_fa3") if k in m]
+    ts = [v for k, v in m.items() if k in ("engine_cw", "engine_cw4", "engine_fa3")
+          or k.startswith("engine_cw_b")]
     return min(ts) if ts else None
 
 
 def print_table(rows, summary):
-    ms = TABLE_METHODS
+    extra = sorted({k for r in rows for k in r["median_s"] if k.startswith("engine_cw_b")})
+    ms = TABLE_METHODS + tuple(extra)   # --configs variants last
     print("\n| case | P | rank hist tok | floor us | " + " | ".join(ms) + " | best engine % floor |")
     print("|" + "---|" * (len(ms) + 5))
     for r in rows:

@@ -14,14 +14,15 @@ def rel_err(got, ref):
 
 
 def run_case(rng, hist, qlen, *, dcp=1, hq=8, rank=0, d=128, dtype=jnp.bfloat16, splits=None,
-             num_ctas=4, fused=False, interpret=True, poison=True, capacities=None):
+             num_ctas=4, fused=False, interpret=True, poison=True, capacities=None,
+             block_kv=128, max_concurrent_steps=2):
     """Plans, packs, runs the engine on fresh random inputs and compares with float64.
 
     Returns ``(errors dict, plan)``; raises AssertionError on NaN / unwritten outputs.
     """
     num_ctas = eng.EngineConfig().grid() if num_ctas is None else num_ctas
     t = build_tables(hist, qlen, dcp, hq, splits=splits)
-    plan = et.pack_engine(t, rank, num_ctas=num_ctas, capacities=capacities)
+    plan = et.pack_engine(t, rank, num_ctas=num_ctas, capacities=capacities, block_kv=block_kv)
     s = plan.shape
     H, T, nq = dcp * hq, s.tq_cap, int(np.sum(qlen))
     q_all = rng.standard_normal((T, H, d)).astype(np.float32)
@@ -35,7 +36,8 @@ def run_case(rng, hist, qlen, *, dcp=1, hq=8, rank=0, d=128, dtype=jnp.bfloat16,
     qa = cast(q_all)
     qc = qa if dcp == 1 else cast(q_loc)
     scale = d ** -0.5
-    cfg = eng.EngineConfig(num_ctas=num_ctas, fused=fused)
+    cfg = eng.EngineConfig(num_ctas=num_ctas, fused=fused, block_kv=block_kv,
+                           max_concurrent_steps=max_concurrent_steps)
     args = (qc, qa, cast(k_new), cast(v_new), cast(ks), cast(vs))
     run = lambda *a: eng.megadcp_engine(*a, plan.tables, s, scale=scale, config=cfg,  # noqa: E731
                                         interpret=interpret)

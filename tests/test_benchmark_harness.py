@@ -154,10 +154,12 @@ def test_megadcp_engine_smoke(tmp_path):
     d = json.loads(out.read_text())
     assert d["meta"]["script"] == "benchmarks.megadcp_engine --pack-only" and d["rows"]
     out = tmp_path / "engine.json"
-    assert megadcp_engine.main(["--interpret", "--out", str(out)]) == 0
+    assert megadcp_engine.main(["--interpret", "--configs", "64x4", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert set(row["median_s"]) == {"staged_cw", "kernel_empty", "xla"}
+    assert set(row["median_s"]) == {"staged_cw", "kernel_empty", "xla", "engine_cw_b64x4"}
     assert row["rel_err_engine_vs_xla"] < 2e-2  # bf16
+    with pytest.raises(SystemExit):   # 128-key tiles in 3 slots do not fit in SMEM at D = 128
+        megadcp_engine.main(["--interpret", "--configs", "128x3", "--out", str(out)])
 
 
 def test_megaring_engine_ablation_smoke(tmp_path):

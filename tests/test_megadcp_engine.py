@@ -176,14 +176,25 @@ def test_staged_engine_interpret_matches_float64(rng, case):
         assert v < 2e-2, (k, v)
 
 
-def _lower(final: bool, fused: bool):
+@pytest.mark.parametrize("mcs", [3, 4])
+def test_staged_engine_interpret_deeper_kv_ring(rng, mcs):
+    """64-key tiles in 3 or 4 ring slots at D = 128 (the ring's slot and phase arithmetic past
+    two slots; SMEM fits only with 64-key tiles) vs float64 in the interpreter."""
+    errs, _ = run_case(rng, [0, 1, 300, 77], [16, 1, 16, 40], hq=8, splits=[1, 1, 3, 1],
+                       num_ctas=3, fused=False, interpret=True, poison=False, block_kv=64,
+                       max_concurrent_steps=mcs)
+    for k, v in errs.items():
+        assert v < 2e-2, (k, v)
+
+
+def _lower(final: bool, fused: bool, block_kv: int = 128, mcs: int = 2):
     hist, ql = [900, 0, 40], [16, 16, 3]
     P, hq = (1, 8) if final else (4, 4)
     t = build_tables(hist, ql, P, hq)
-    plan = et.pack_engine(t, 0, num_ctas=6)
+    plan = et.pack_engine(t, 0, num_ctas=6, block_kv=block_kv)
     s = plan.shape
     sd = jax.ShapeDtypeStruct
-    cfg = eng.EngineConfig(num_ctas=6, fused=fused)
+    cfg = eng.EngineConfig(num_ctas=6, fused=fused, block_kv=block_kv, max_concurrent_steps=mcs)
     f = jax.jit(lambda *a: eng.megadcp_engine(*a, plan.tables, s, scale=0.1, config=cfg))
     args = (sd((s.tq_cap, hq, 128), jnp.bfloat16), sd((s.tq_cap, P * hq, 128), jnp.bfloat16),
             sd((s.tq_cap, 128), jnp.bfloat16), sd((s.tq_cap, 128), jnp.bfloat16),
@@ -203,6 +214,14 @@ def test_engine_gpu_lowering(final, fused):
     txt = _lower(final, fused)
     n = sum("custom_call @mosaic_gpu" in line for line in txt.splitlines())
     assert n == (1 if fused else 2)
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_fused_engine_lowering_deeper_kv_ring(final):
+    """The fused engine with four 64-key ring slots at D = 128 (~225 KiB of SMEM by
+    ``smem_bytes``) lowers for CUDA: one Mosaic GPU call."""
+    txt = _lower(final, True, block_kv=64, mcs=4)
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
 
 @pytest.mark.parametrize("final", [True])

@@ -52,6 +52,17 @@ def test_splits_one_to_max(rng, splits):
     _check(errs)
 
 
+@pytest.mark.parametrize("block_kv,mcs", [(64, 3), (64, 4)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_deeper_kv_ring(rng, block_kv, mcs, fused):
+    """64-key tiles in 3 or 4 ring slots at D = 128 (more K/V in flight per CTA than the default
+    2 x 128): unaligned histories, a 128-key boundary inside a split, P = 2 partial states."""
+    for hist, ql, dcp in (([0, 1, 1000, 40000], [16, 16, 3, 16], 1), ([9000, 130], [16, 1], 2)):
+        errs, _ = run_case(rng, hist, ql, dcp=dcp, num_ctas=None, fused=fused, interpret=False,
+                           block_kv=block_kv, max_concurrent_steps=mcs)
+        _check(errs)
+
+
 @pytest.mark.parametrize("dtype,d", [(jnp.float16, 128), (jnp.bfloat16, 64), (jnp.float16, 64)])
 def test_dtypes_head_dims(rng, dtype, d):
     errs, _ = run_case(rng, [900, 33, 4000], [16, 1, 16], d=d, dtype=dtype, num_ctas=None,
