@@ -15,8 +15,10 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
                   timed region (the rest of a step: query padding, output gathering);
 * ``kernel_empty`` that launch with no task on any CTA (launch, counter zeroing, teardown);
 * ``noop``        a jitted no-op on ``engine_cw``'s arguments (the host's dispatch floor);
-* ``trace_engine_cw`` (a row field): ``engine_cw``'s device time per call from a profiler trace
-                  (span and kernel time, each call waited for) and its 8 costliest kernels;
+* ``device_s`` (a row field): the device time per call of the fused and staged engines and the
+                  padded baselines from profiler traces (span, each call waited for): a small
+                  step's wall-clock is the host's dispatch, so the summary's ratios are given on
+                  both (``..._device``); ``trace_engine_cw``: ``engine_cw``'s 8 costliest kernels;
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;
@@ -311,15 +313,22 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                 n = 1 if a.interpret else a.calls if m != "xla" else 3
                 ts[m].append(H.time_back_to_back(f, args, n))
         med = {m: float(np.median(v)) for m, v in ts.items()}
-        trace = None
-        if not a.interpret:   # device time per call and the kernels it goes to (each call waited)
+        trace, device = None, {}
+        # Device time per call (profiler span, each call waited for): small steps' wall-clock is
+        # the host's dispatch, so the engine-vs-baseline ratios are also taken on device time.
+        for m in ([] if a.interpret else [m for m in methods if m in TRACED
+                                          or m.startswith("engine_cw_b")]):
             try:
-                f_cw, args_cw = methods["engine_cw"]
-                tr = H.trace_calls(f_cw, args_cw[0], 5)
-                trace = {"span_us": None if tr["span_ms"] is None else 1e3 * tr["span_ms"],
-                         "kernel_us": 1e3 * tr["kernel_ms"], "kernels": tr["kernels"][:8]}
+                f_m, args_m = methods[m]
+                tr = H.trace_calls(f_m, args_m[0], 5)
+                if tr["span_ms"] is not None:
+                    device[m] = 1e-3 * tr["span_ms"]
+                if m == "engine_cw":   # and the kernels it goes to
+                    trace = {"span_us": None if tr["span_ms"] is None else 1e3 * tr["span_ms"],
+                             "kernel_us": 1e3 * tr["kernel_ms"], "kernels": tr["kernels"][:8]}
             except Exception as e:  # noqa: BLE001 - the trace is extra; its failure is recorded
-                trace = {"error": H.error_text(e)}
+                if m == "engine_cw":
+                    trace = {"error": H.error_text(e)}
         fl, byts, flops = floor_s(hist, ql, P, hq, bw, rate)
         check = None
         if P == 1 and "xla" in methods:
@@ -334,6 +343,7 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                "splits_fa3": list(map(int, vs["fa3"].plan.splits)),
                "floor_s": fl, "bytes": byts, "flops": flops, "median_s": med,
                "compile_s": comp, "rel_err_engine_vs_xla": check, "trace_engine_cw": trace,
+               "device_s": device,
                "frac_floor": {m: fl / v for m, v in med.items()}}
         rows.append(row)
         line = " ".join(f"{m}={v * 1e6:.0f}" for m, v in med.items())
@@ -344,6 +354,9 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
     return rows
 
 
+# Methods whose device time is also taken from a profiler trace (``device_s``).
+TRACED = ("engine_cw", "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
+          "cudnn")
 TABLE_METHODS = ("engine_cw", "engine_cw_unchecked", "kernel_cw", "kernel_empty", "noop",
                  "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa", "cudnn",
                  "xla")
@@ -534,25 +547,30 @@ def geomean(xs):
 
 
 def summarize(rows):
+    """Geometric means over the Mooncake steps and per synthetic case, on wall-clock medians
+    (``median_s``) and, as ``..._device``, on profiler device spans (``device_s``)."""
     out = {}
-    for kind in ("decode", "mixed"):
-        mc = [r for r in rows if r["group"].startswith("mc_") and r["kind"] == kind]
-        if mc:
-            out[f"mooncake_{kind}_speedup_vs_staged_fa3_geomean"] = geomean(
-                [r["median_s"]["staged_fa3"] / r["median_s"]["engine_cw"] for r in mc])
-            out[f"mooncake_{kind}_cw_vs_fa3_plan_on_engine_geomean"] = geomean(
-                [r["median_s"]["engine_fa3"] / r["median_s"]["engine_cw"] for r in mc])
-            out[f"mooncake_{kind}_best_engine_vs_staged_fa3_geomean"] = geomean(
-                [r["median_s"]["staged_fa3"] / min(r["median_s"][m] for m in
-                                                    ("engine_cw", "engine_cw4", "engine_fa3"))
-                 for r in mc])
-    for r in rows:
-        if r["group"].startswith("syn") and "engine_cw" in r["median_s"]:
-            m = r["median_s"]
-            best = best_engine(m)
-            out[r["case"]] = {"frac_floor_best_engine": r["floor_s"] / best,
-                              "speedup_vs_triton": (m["triton_gqa"] / best) if "triton_gqa" in m else None,
-                              "speedup_vs_staged_fa3": m["staged_fa3"] / best}
+    for key, sfx in (("median_s", ""), ("device_s", "_device")):
+        def has(r, *ms):
+            return all(m in r.get(key, {}) for m in ms)
+        for kind in ("decode", "mixed"):
+            mc = [r for r in rows if r["group"].startswith("mc_") and r["kind"] == kind
+                  and has(r, "engine_cw", "engine_fa3", "staged_fa3")]
+            if mc:
+                out[f"mooncake_{kind}_speedup_vs_staged_fa3_geomean{sfx}"] = geomean(
+                    [r[key]["staged_fa3"] / r[key]["engine_cw"] for r in mc])
+                out[f"mooncake_{kind}_cw_vs_fa3_plan_on_engine_geomean{sfx}"] = geomean(
+                    [r[key]["engine_fa3"] / r[key]["engine_cw"] for r in mc])
+                out[f"mooncake_{kind}_best_engine_vs_staged_fa3_geomean{sfx}"] = geomean(
+                    [r[key]["staged_fa3"] / best_engine(r[key]) for r in mc])
+        for r in rows:
+            if r["group"].startswith("syn") and has(r, "engine_cw", "staged_fa3"):
+                m = r[key]
+                best = best_engine(m)
+                out.setdefault(r["case"], {}).update({
+                    f"frac_floor_best_engine{sfx}": r["floor_s"] / best,
+                    f"speedup_vs_triton{sfx}": (m["triton_gqa"] / best) if "triton_gqa" in m else None,
+                    f"speedup_vs_staged_fa3{sfx}": m["staged_fa3"] / best})
     return out
 
 
@@ -574,6 +592,14 @@ def print_table(rows, summary):
         cells = [f"{m[k] * 1e6:.0f}" if k in m else "-" for k in ms]
         print(f"| {r['case']} | {r['P']} | {r['rank_history_tokens']} | {r['floor_s'] * 1e6:.0f} | "
               + " | ".join(cells) + f" | {100 * r['floor_s'] / best:.0f} |")
+    dev = [m for m in TRACED + tuple(extra) if any(m in r.get("device_s", {}) for r in rows)]
+    if dev:   # the same steps on device time (profiler spans)
+        print("\ndevice span us per call:\n\n| case | P | floor us | " + " | ".join(dev) + " |")
+        print("|" + "---|" * (len(dev) + 3))
+        for r in rows:
+            d = r.get("device_s", {})
+            print(f"| {r['case']} | {r['P']} | {r['floor_s'] * 1e6:.0f} | "
+                  + " | ".join(f"{d[k] * 1e6:.0f}" if k in d else "-" for k in dev) + " |")
     print(json.dumps(summary, indent=1))
 
 
