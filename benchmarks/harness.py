@@ -214,15 +214,18 @@ def summarize_trace(xplane_path, n_calls, *, plane_prefix="/device:GPU",
             "planes": seen}
 
 
-def trace_calls(f, args, n, **summarize_kw):
-    """Two warm-up calls, then ``n`` calls (each waited for) under the profiler; ``summarize_trace``."""
+def trace_calls(f, args, n, *, arg_sets: Sequence[tuple] | None = None, **summarize_kw):
+    """Two warm-up calls, then ``n`` calls (each waited for) under the profiler; ``summarize_trace``.
+    ``arg_sets``: rotate over these instead of ``args`` (as :func:`time_back_to_back` does: inputs
+    that together exceed L2, so a call does not find the previous call's data cached)."""
     import jax
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
+    sets = list(arg_sets) if arg_sets else [args]
+    for i in range(2):
+        jax.block_until_ready(f(*sets[i % len(sets)]))
     d = tempfile.mkdtemp(prefix="kernel_trace_")
     with jax.profiler.trace(d):
-        for _ in range(n):
-            jax.block_until_ready(f(*args))
+        for i in range(n):
+            jax.block_until_ready(f(*sets[(i + 2) % len(sets)]))
     files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
     if not files:
         raise RuntimeError(f"no .xplane.pb under {d}")

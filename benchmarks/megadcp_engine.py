@@ -16,9 +16,10 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
 * ``kernel_empty`` that launch with no task on any CTA (launch, counter zeroing, teardown);
 * ``noop``        a jitted no-op on ``engine_cw``'s arguments (the host's dispatch floor);
 * ``device_s`` (a row field): the device time per call of the fused and staged engines and the
-                  padded baselines from profiler traces (span, each call waited for): a small
-                  step's wall-clock is the host's dispatch, so the summary's ratios are given on
-                  both (``..._device``); ``trace_engine_cw``: ``engine_cw``'s 8 costliest kernels;
+                  padded baselines from profiler traces (span, each call waited for, inputs
+                  rotated as in the timing): where a small step's wall-clock exceeds it, the
+                  host's dispatch is the bound; the summary's ratios are given on both
+                  (``..._device``); ``trace_engine_cw``: ``engine_cw``'s 8 costliest kernels;
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;
@@ -314,13 +315,13 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                 ts[m].append(H.time_back_to_back(f, args, n))
         med = {m: float(np.median(v)) for m, v in ts.items()}
         trace, device = None, {}
-        # Device time per call (profiler span, each call waited for): small steps' wall-clock is
-        # the host's dispatch, so the engine-vs-baseline ratios are also taken on device time.
+        # Device time per call (profiler span, each call waited for, rotating over the input
+        # sets as the timing does): tells the device's part of a small step's wall-clock.
         for m in ([] if a.interpret else [m for m in methods if m in TRACED
                                           or m.startswith("engine_cw_b")]):
             try:
                 f_m, args_m = methods[m]
-                tr = H.trace_calls(f_m, args_m[0], 5)
+                tr = H.trace_calls(f_m, None, 2 * len(args_m), arg_sets=args_m)   # L2-cold
                 if tr["span_ms"] is not None:
                     device[m] = 1e-3 * tr["span_ms"]
                 if m == "engine_cw":   # and the kernels it goes to

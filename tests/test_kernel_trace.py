@@ -40,6 +40,15 @@ def test_trace_reader_missing_planes_give_zero_not_nan(tmp_path):
   assert res["kernel_ms"] == 0.0 and res["kernels"] == [] and res["span_ms"] is None
 
 
+def test_trace_calls_rotate_over_arg_sets():
+  seen = []
+  f = jax.jit(lambda x: x + 1)
+  g = lambda x: (seen.append(int(x[0])), f(x))[1]  # noqa: E731
+  sets = [(jnp.full(8, i, jnp.float32),) for i in range(3)]
+  kernel_trace.trace_calls(g, None, 4, arg_sets=sets, plane_prefix="/device:GPU")
+  assert seen == [0, 1, 2, 0, 1, 2]   # two warm-up calls, then four traced, in rotation
+
+
 def test_call_spans_take_out_the_host_syncs():
   # Two calls: kernels [0, 10) [12, 20) and [100, 110) [111, 120); the 80 ns gap is the sync.
   iv = [(111, 120), (0, 10), (100, 110), (12, 20)]
