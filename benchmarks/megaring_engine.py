@@ -130,6 +130,8 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                 (one(q, k, v) * w).astype(jnp.float32)), argnums=(0, 1, 2)))
             one_fb_ms = H.time_fn(one_fb, *args, t3(do), reps=a.reps).median_ms
             rows[-1]["fb_ms"] = round(one_fb_ms, 4)
+        print(f"  case={case.name} step=one_step ms={rows[-1]['ms']} fb_ms={rows[-1].get('fb_ms')}",
+              flush=True)
     ref = None
     ok = np.flatnonzero(tb.tok_seq.reshape(-1) >= 0)   # valid rows of the CP layout
     if a.interpret or a.check:   # float64 on sampled query rows: a dense [rows, rows] mask is
@@ -206,6 +208,10 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
             row["error"] = H.error_text(e)
         rows.append(row)
+        # each step as it ends: a run cut by its device call's limit still says what it measured
+        print("  " + " ".join(f"{k}={row[k]}" for k in ("case", "step", "ms", "efficiency",
+                                                          "fb_ms", "fb_efficiency", "rel_error",
+                                                          "error") if k in row), flush=True)
     return rows
 
 
