@@ -390,6 +390,10 @@ def main(argv=None) -> int:
                     help="--calibrate: also fit here (minutes of host time per batch)")
     ap.add_argument("--clock-ghz", type=float, default=None,
                     help="--calibrate: SM clock (default: nvidia-smi's clocks.sm after the run)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also draw the report (needs matplotlib: the [bench] extra)")
+    ap.add_argument("--plot-only", default=None, metavar="JSON",
+                    help="draw this earlier report into --plot (default next to it) and exit")
     ap.add_argument("--configs", default="",
                     help="comma list of BLOCK_KVxSLOTS engine ring shapes also timed with the "
                          "critical-wave plan (e.g. 64x3,64x4; default 128x2 is engine_cw)")
@@ -397,6 +401,11 @@ def main(argv=None) -> int:
                     help="CPU smoke test: one tiny case, 4 CTAs, the Mosaic GPU interpreter")
     a = ap.parse_args(argv)
     a.configs = parse_configs(ap, a.configs)
+    if a.plot_only:
+        with open(a.plot_only) as fh:
+            data = json.load(fh)
+        plot(data, a.plot or os.path.splitext(a.plot_only)[0] + ".png")
+        return 0
     global INTERPRET
     INTERPRET = a.interpret
     if a.interpret:
@@ -418,7 +427,68 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     report.update(summary=summary)
     print_table(rows, summary)
+    if a.plot and rows:
+        try:
+            plot(report.data, a.plot)
+        except ImportError as e:   # the device image may lack matplotlib: plot later (--plot-only)
+            print(f"no plot ({e}); the report is complete: draw it with --plot-only {a.out}")
     return 0
+
+
+# Series of the plot: (label, method, marker); a Fig. 10 analogue against the roofline floor.
+PLOT_SERIES = (("engine, critical-wave splits", "engine_cw", "o"),
+               ("engine, FA3 splits", "engine_fa3", "s"),
+               ("staged, FA3 splits", "staged_fa3", "v"),
+               ("staged, critical-wave splits", "staged_cw", "^"),
+               ("Triton gqa (padded)", "triton_gqa", "x"),
+               ("cuDNN (padded)", "cudnn", "+"))
+
+
+def plot(data: dict, path: str) -> None:
+    """Two panels from a report: each method's fraction of the roofline floor per step (Fig. 10
+    analogue; wall-clock, and device spans where the report has them, hollow), and the engine's
+    critical-wave plan over the FA3-derived plan (Fig. 12 analogue). Writes ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in data.get("rows", []) if "median_s" in r]
+    if not rows:
+        raise ValueError("the report has no timed rows to plot")
+    names = [f"{r['case']} P={r['P']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(7.0, 0.75 * len(rows) + 3), 7.5),
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    for i, (label, m, mk) in enumerate(PLOT_SERIES):
+        off = (i - len(PLOT_SERIES) / 2) * 0.07
+        ys = [r["floor_s"] / r["median_s"][m] if m in r["median_s"] else np.nan for r in rows]
+        if np.all(np.isnan(ys)):
+            continue
+        line = ax1.plot(x + off, ys, mk, label=label, ms=7)[0]
+        yd = [r["floor_s"] / r["device_s"][m] if m in r.get("device_s", {}) else np.nan
+              for r in rows]
+        if not np.all(np.isnan(yd)):
+            ax1.plot(x + off, yd, mk, mfc="none", color=line.get_color(), ms=7)
+    ax1.axhline(0.7, color="gray", ls="--", lw=1)
+    ax1.text(len(rows) - 0.5, 0.71, "target 0.7", ha="right", va="bottom", fontsize=8, color="gray")
+    ax1.set_ylabel("roofline floor / time")
+    ax1.set_yscale("log")
+    ax1.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    ax1.legend(fontsize=7, ncol=2)
+    meta = data.get("meta", {})
+    ax1.set_title(f"MegaDCP engine, one rank's decode step ({meta.get('device_kind', '?')}, jax "
+                  f"{meta.get('jax', '?')}, {str(meta.get('date', ''))[:10]})\nfilled: "
+                  f"wall-clock; hollow: device span", fontsize=9)
+    sp = [r["median_s"]["engine_fa3"] / r["median_s"]["engine_cw"]
+          if {"engine_fa3", "engine_cw"} <= set(r["median_s"]) else np.nan for r in rows]
+    ax2.bar(x, sp, color=["tab:blue" if v >= 1 else "tab:red" for v in sp])
+    ax2.axhline(1.0, color="black", lw=1)
+    ax2.set_ylabel("FA3 plan time / critical-wave plan time\n(same engine)", fontsize=8)
+    ax2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def parse_configs(ap, text: str) -> list[tuple[int, int]]:

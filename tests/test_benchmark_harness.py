@@ -158,6 +158,9 @@ def test_megadcp_engine_smoke(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert set(row["median_s"]) == {"staged_cw", "kernel_empty", "xla", "engine_cw_b64x4"}
     assert row["rel_err_engine_vs_xla"] < 2e-2  # bf16
+    png = tmp_path / "engine.png"
+    assert megadcp_engine.main(["--plot-only", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
     with pytest.raises(SystemExit):   # 128-key tiles in 3 slots do not fit in SMEM at D = 128
         megadcp_engine.main(["--interpret", "--configs", "128x3", "--out", str(out)])
 

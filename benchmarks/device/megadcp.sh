@@ -3,7 +3,7 @@
 #   bash benchmarks/device/megadcp.sh [PART ...]      (default: tests bench)
 # Parts:
 #   tests   tests/test_megadcp_engine_gpu.py, 4 xdist workers ($OUT/engine_tests.log)
-#   bench   python -m benchmarks.megadcp_engine $BENCH_ARGS ($OUT/engine.json)
+#   bench   python -m benchmarks.megadcp_engine $BENCH_ARGS ($OUT/engine.json, engine.png)
 #   calibrate  profiled engine runs -> per-CTA busy times ($OUT/calibration.json; each row's
 #           "calibrate_input", saved as a file, is what `liquidcp calibrate FILE` fits off the device)
 # Env: TEST_S, BENCH_S, CAL_S (timeouts), BENCH_ARGS (default --quick --budget-s 150).
@@ -15,7 +15,8 @@ for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
              tests/test_megadcp_engine_gpu.py
          else echo "tests/test_megadcp_engine_gpu.py is not in this tree"; fi ;;
   bench) if [ -f benchmarks/megadcp_engine.py ]; then
-           step engine "${BENCH_S:-220}" "$PY" -m benchmarks.megadcp_engine ${BENCH_ARGS:---quick --budget-s 150} --out "$OUT/engine.json"
+           step engine "${BENCH_S:-220}" "$PY" -m benchmarks.megadcp_engine ${BENCH_ARGS:---quick --budget-s 150} --out "$OUT/engine.json" \
+             --plot "$OUT/engine.png"
          else echo "benchmarks/megadcp_engine.py is not in this tree"; fi ;;
   calibrate) step calibrate "${CAL_S:-150}" "$PY" -m benchmarks.megadcp_engine --calibrate \
                --out "$OUT/calibration.json"
