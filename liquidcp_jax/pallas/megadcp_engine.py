@@ -30,7 +30,7 @@ work it waits for can always run. (i) Attention tasks never wait on anything but
 TMA barriers. (ii) Every CTA's list runs all its attention tasks before any reduction, and only
 attention tasks signal counters (reductions only wait), so a waited-for counter depends only on
 attention tasks, which never wait. (iii) The grid is at most the SM count and at least one CTA
-fits on an SM (SMEM ~225 KiB at ``D = 128``, ~115 KiB at 64; 384 threads), so every CTA is
+fits on an SM (SMEM ~225 KiB at ``D = 128``, 133-149 KiB at 64; 384 threads), so every CTA is
 resident at once, or becomes resident as soon as a CTA of another kernel (which does not wait
 for ours) leaves its SM; a CTA of ours that spins holds its SM, but by (ii) the CTAs it waits
 for need nothing from it, and they hold or will get an SM of their own. Hence every counter
@@ -67,7 +67,7 @@ from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BQ = 64                 # rows per compute warpgroup
 _ROWS = et.TILE_ROWS     # rows per task tile (two warpgroups)
-_MOSAIC_OVERHEAD = 256   # barriers (reduction_scratch_bytes=0: row reductions need no SMEM)
+_MOSAIC_OVERHEAD = 512   # barriers, 8 bytes each (reduction_scratch_bytes=0: no row-reduction SMEM)
 _RED_SPLIT = 2           # a reduction input arrives in column chunks: more loads in flight
 
 
