@@ -316,19 +316,22 @@ def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems, nb):
                 # the last item's output stores read the buffers this item loads into
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                def issue(j):   # chunk j: input j // _RED_SPLIT, columns j % _RED_SPLIT
+                def issue(j, commit=True):   # chunk j: input j // _RED_SPLIT, its columns j % ..
                     b = lax.rem(j, nb)
                     s = red_in_ref[start + j // _RED_SPLIT]
                     cols = pl.ds(pl.multiple_of(lax.rem(j, _RED_SPLIT) * dc, dc), dc)
-                    plgpu.commit_smem()   # every thread finished reading the buffer we refill
+                    if commit:   # every thread finished reading the buffer we refill
+                        plgpu.commit_smem()
                     plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ), cols], in_o.at[wg, b],
                                             in_bar.at[wg * nb + b])
                     plgpu.copy_gmem_to_smem(pl_ref.at[s, pl.ds(r0, _BQ)], in_l.at[wg, b],
                                             in_bar.at[wg * nb + b])
 
+                plgpu.commit_smem()   # once for the prefill: the last item's reads are done
+
                 @pl.loop(0, jnp.minimum(n_chunks, nb))
                 def _(j):
-                    issue(j)
+                    issue(j, commit=False)
 
                 def merge(k, carry):
                     acc, m, l = carry
