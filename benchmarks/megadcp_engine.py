@@ -323,7 +323,8 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         trace, device = None, {}
         # Device time per call (profiler span, each call waited for, rotating over the input
         # sets as the timing does): tells the device's part of a small step's wall-clock.
-        for m in ([] if a.interpret else [m for m in methods if m in TRACED
+        traced = TRACED_QUICK if a.quick else TRACED   # a trace costs seconds of the budget
+        for m in ([] if a.interpret else [m for m in methods if m in traced
                                           or m.startswith("engine_cw_b")]):
             try:
                 f_m, args_m = methods[m]
@@ -364,6 +365,7 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
 # Methods whose device time is also taken from a profiler trace (``device_s``).
 TRACED = ("engine_cw", "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
           "cudnn")
+TRACED_QUICK = ("engine_cw", "engine_fa3", "staged_fa3", "triton_gqa")
 TABLE_METHODS = ("engine_cw", "engine_cw_unchecked", "kernel_cw", "kernel_empty", "noop",
                  "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa", "cudnn",
                  "xla")
