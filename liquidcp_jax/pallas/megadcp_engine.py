@@ -290,8 +290,10 @@ def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems, nb):
 
     An input (one split's partial state) arrives as ``_RED_SPLIT`` column chunks in a ring of
     ``nb`` SMEM buffers per warpgroup (:func:`red_slots`), ``nb - 1`` chunks in flight while one
-    is merged: one whole input in flight made a merge cost ~3.5 us per split (docs/results.md).
-    Every chunk's barrier takes two TMA arrivals (its columns and the input's LSE)."""
+    is merged (one whole input in flight left the merge latency-bound). Every chunk's barrier
+    takes two TMA arrivals (its columns and the input's LSE). ``stage``: the output's SMEM
+    staging, ``[2, _RED_SPLIT, 64, dc]`` final rows or (``P > 1``, whose out is staged in the
+    ring) ``[2, 64]`` LSE."""
     red_ref, red_in_ref, off_ref, po_ref, pl_ref, out_refs = refs
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
@@ -301,7 +303,7 @@ def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems, nb):
     dc = d // _RED_SPLIT
     rows = lambda x: lax.broadcast_in_dim(x, (_BQ, dc), [0])  # noqa: E731   [64] -> [64, dc]
 
-    def body(in_o, in_l, st_l, *st_o):
+    def body(in_o, in_l, stage):
         @pl.when(wg < 2)
         def _():
             r0 = wg * _BQ
@@ -363,33 +365,32 @@ def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems, nb):
                 if final:
                     (out_ref,) = out_refs
                     for c in range(_RED_SPLIT):
-                        st_o[0].at[wg, c][...] = (acc[c] * inv).astype(dtype)
+                        stage.at[wg, c][...] = (acc[c] * inv).astype(dtype)
                     plgpu.commit_smem()
                     n = jnp.clip(get("n_rows") - r0, 0, _BQ)
                     for c in range(_RED_SPLIT):
-                        ladder_store(st_o[0].at[wg, c], lambda off, nn, c=c: out_ref.at[
+                        ladder_store(stage.at[wg, c], lambda off, nn, c=c: out_ref.at[
                             pl.ds(dst + r0 + off, nn), pl.ds(c * dc, dc)], 0, n, _BQ)
                 else:   # staged in the first ring buffers: every chunk loaded was merged
                     ro_ref, rl_ref = out_refs
                     for c in range(_RED_SPLIT):
                         in_o.at[wg, c][...] = acc[c] * inv
-                    st_l.at[wg][...] = jnp.where(
+                    stage.at[wg][...] = jnp.where(
                         empty, -jnp.inf, jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
                     plgpu.commit_smem()
                     for c in range(_RED_SPLIT):
                         plgpu.copy_smem_to_gmem(in_o.at[wg, c],
                                                 ro_ref.at[dst, pl.ds(r0, _BQ), pl.ds(c * dc, dc)])
-                    plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
+                    plgpu.copy_smem_to_gmem(stage.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
                 return 0
 
             lax.fori_loop(u0, u1, item, 0)
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = [plgpu.SMEM((2, nb, _BQ, dc), jnp.float32), plgpu.SMEM((2, nb, _BQ), jnp.float32),
-               plgpu.SMEM((2, _BQ), jnp.float32)]
-    if final:
-        scratch.append(plgpu.SMEM((2, _RED_SPLIT, _BQ, dc), dtype))
-    pl.run_scoped(body, *scratch, collective_axes="wg")
+    stage = (plgpu.SMEM((2, _RED_SPLIT, _BQ, dc), dtype) if final
+             else plgpu.SMEM((2, _BQ), jnp.float32))
+    pl.run_scoped(body, plgpu.SMEM((2, nb, _BQ, dc), jnp.float32),
+                  plgpu.SMEM((2, nb, _BQ), jnp.float32), stage, collective_axes="wg")
 
 
 def red_slots(d: int, itemsize: int, final: bool, reserve: int = 0) -> int:
@@ -403,8 +404,8 @@ def red_slots(d: int, itemsize: int, final: bool, reserve: int = 0) -> int:
 
 def _red_smem(nb: int, d: int, itemsize: int, final: bool) -> int:
     dc = d // _RED_SPLIT
-    return (aligned(2 * nb * _BQ * dc * 4) + aligned(2 * nb * _BQ * 4) + aligned(2 * _BQ * 4)
-            + (aligned(2 * _RED_SPLIT * _BQ * dc * itemsize) if final else 0))
+    stage = aligned(2 * _RED_SPLIT * _BQ * dc * itemsize) if final else aligned(2 * _BQ * 4)
+    return aligned(2 * nb * _BQ * dc * 4) + aligned(2 * nb * _BQ * 4) + stage
 
 
 def _phase1_barriers(mcs):
