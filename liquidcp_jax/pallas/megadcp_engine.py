@@ -17,8 +17,7 @@ descriptor tables; fixed capacities, so steps of one capacity bucket reuse one c
    64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release add);
 2. **reduction items**, after all of the CTA's attention tasks: wait until the item's counter
    reaches its input count (``semaphore_wait(value=n_in, decrement=False)``), merge the input
-   partial states (TMA into SMEM in column chunks, several in flight; merged in registers) and
-   write:
+   partial states (TMA into SMEM, double-buffered, merged in registers) and write:
    with ``P = 1`` (``final``) the final output rows (chunk + every history split of one query
    tile: history and final reduction in one pass); with ``P > 1`` the reduced history state of a
    split query tile (the query all-gather before the kernel and the result all-to-all plus final
@@ -30,7 +29,7 @@ work it waits for can always run. (i) Attention tasks never wait on anything but
 TMA barriers. (ii) Every CTA's list runs all its attention tasks before any reduction, and only
 attention tasks signal counters (reductions only wait), so a waited-for counter depends only on
 attention tasks, which never wait. (iii) The grid is at most the SM count and at least one CTA
-fits on an SM (SMEM ~225 KiB at ``D = 128``, 133-149 KiB at 64; 384 threads), so every CTA is
+fits on an SM (SMEM ~225 KiB at ``D = 128``, ~115 KiB at 64; 384 threads), so every CTA is
 resident at once, or becomes resident as soon as a CTA of another kernel (which does not wait
 for ours) leaves its SM; a CTA of ours that spins holds its SM, but by (ii) the CTAs it waits
 for need nothing from it, and they hold or will get an SM of their own. Hence every counter
@@ -67,8 +66,7 @@ from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BQ = 64                 # rows per compute warpgroup
 _ROWS = et.TILE_ROWS     # rows per task tile (two warpgroups)
-_MOSAIC_OVERHEAD = 512   # barriers, 8 bytes each (reduction_scratch_bytes=0: no row-reduction SMEM)
-_RED_SPLIT = 2           # a reduction input arrives in column chunks: more loads in flight
+_MOSAIC_OVERHEAD = 256   # barriers (reduction_scratch_bytes=0: row reductions need no SMEM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +127,10 @@ def smem_bytes(config: EngineConfig, head_dim: int, itemsize: int, final: bool) 
     d, mcs, bkv = head_dim, config.max_concurrent_steps, config.block_kv
     attn = (aligned(2 * _BQ * d * itemsize) + 2 * aligned(mcs * bkv * d * itemsize)
             + aligned(2 * _BQ * d * 4) + aligned(2 * _BQ * 4))
-    prof = _profile_smem(config)
-    red = _red_smem(red_slots(d, itemsize, final, prof), d, itemsize, final)
+    red = (aligned(4 * _BQ * d * 4) + aligned(4 * _BQ * 4)
+           + aligned(2 * _BQ * d * (itemsize if final else 4)) + aligned(2 * _BQ * 4))
+    prof = 0 if config.profile_dir is None else 4 * 3 * 4 * prof_lib.PROFILE_SPACE
     return max(attn, red) + _MOSAIC_OVERHEAD + prof
-
-
-def _profile_smem(config: EngineConfig) -> int:
-    return 0 if config.profile_dir is None else 4 * 3 * 4 * prof_lib.PROFILE_SPACE
 
 
 def check_inputs(dtype, head_dim, config: EngineConfig, final: bool):
@@ -285,25 +280,16 @@ def _attention_phase(cx_static, refs, bars, sems):
         collective_axes="wg")
 
 
-def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems, nb):
-    """Phase 2: the CTA's reduction items (compute warpgroups; each merges its 64-row half).
-
-    An input (one split's partial state) arrives as ``_RED_SPLIT`` column chunks in a ring of
-    ``nb`` SMEM buffers per warpgroup (:func:`red_slots`), ``nb - 1`` chunks in flight while one
-    is merged (one whole input in flight left the merge latency-bound). Every chunk's barrier
-    takes two TMA arrivals (its columns and the input's LSE). ``stage``: the output's SMEM
-    staging, ``[2, _RED_SPLIT, 64, dc]`` final rows or (``P > 1``, whose out is staged in the
-    ring) ``[2, 64]`` LSE."""
+def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems):
+    """Phase 2: the CTA's reduction items (compute warpgroups; each merges its 64-row half)."""
     red_ref, red_in_ref, off_ref, po_ref, pl_ref, out_refs = refs
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
     fr = et.FR
     u0, u1 = off_ref[1, cta], off_ref[1, cta + 1]
     row_l = plgpu.Layout.WGMMA.reduce(1)
-    dc = d // _RED_SPLIT
-    rows = lambda x: lax.broadcast_in_dim(x, (_BQ, dc), [0])  # noqa: E731   [64] -> [64, dc]
 
-    def body(in_o, in_l, stage):
+    def body(in_o, in_l, st_o, st_l):
         @pl.when(wg < 2)
         def _():
             r0 = wg * _BQ
@@ -311,101 +297,71 @@ def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems, nb):
             def item(i, _):
                 get = lambda name: red_ref[i, fr[name]]  # noqa: E731
                 n_in, start = get("n_in"), get("in_start")
-                n_chunks = n_in * _RED_SPLIT
                 if sems is not None:
                     plgpu.semaphore_wait(sems.at[2 * get("counter") + wg], n_in, decrement=False,
                                          memory_scope="gpu")
-                # the last item's output stores read the buffers this item loads into
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                def issue(j, commit=True):   # chunk j: input j // _RED_SPLIT, its columns j % ..
-                    b = lax.rem(j, nb)
-                    s = red_in_ref[start + j // _RED_SPLIT]
-                    cols = pl.ds(pl.multiple_of(lax.rem(j, _RED_SPLIT) * dc, dc), dc)
-                    if commit:   # every thread finished reading the buffer we refill
-                        plgpu.commit_smem()
-                    plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ), cols], in_o.at[wg, b],
-                                            in_bar.at[wg * nb + b])
+                def issue(k):
+                    b = lax.rem(k, 2)
+                    s = red_in_ref[start + k]
+                    plgpu.commit_smem()   # every thread finished reading the buffer we refill
+                    plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ)], in_o.at[wg, b],
+                                            in_bar.at[2 * wg + b])
                     plgpu.copy_gmem_to_smem(pl_ref.at[s, pl.ds(r0, _BQ)], in_l.at[wg, b],
-                                            in_bar.at[wg * nb + b])
+                                            in_bar.at[2 * wg + b])
 
-                plgpu.commit_smem()   # once for the prefill: the last item's reads are done
-
-                @pl.loop(0, jnp.minimum(n_chunks, nb))
-                def _(j):
-                    issue(j, commit=False)
+                issue(0)
 
                 def merge(k, carry):
                     acc, m, l = carry
-                    new = []
-                    for c in range(_RED_SPLIT):
-                        j = k * _RED_SPLIT + c
-                        b = lax.rem(j, nb)
-                        plgpu.barrier_wait(in_bar.at[wg * nb + b])
-                        if c == 0:   # the input's weights, for all its chunks
-                            l_k = plgpu.load(in_l.at[wg, b], layout=row_l)
-                            m_new = jnp.maximum(m, l_k)
-                            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no NaN, empty rows
-                            a = jnp.exp(m - m_use)
-                            w = jnp.exp(l_k - m_use)
-                        o_k = plgpu.load(in_o.at[wg, b], layout=plgpu.Layout.WGMMA)
-                        new.append(acc[c] * rows(a) + o_k * rows(w))
-                        pl.when(j + nb < n_chunks)(functools.partial(issue, j + nb))
-                    return tuple(new), m_new, l * a + w
+                    b = lax.rem(k, 2)
+                    pl.when(k + 1 < n_in)(lambda: issue(k + 1))
+                    plgpu.barrier_wait(in_bar.at[2 * wg + b])
+                    o_k = plgpu.load(in_o.at[wg, b], layout=plgpu.Layout.WGMMA)
+                    l_k = plgpu.load(in_l.at[wg, b], layout=row_l)
+                    m_new = jnp.maximum(m, l_k)
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no NaN for empty rows
+                    a = jnp.exp(m - m_use)
+                    w = jnp.exp(l_k - m_use)
+                    acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
+                           + o_k * lax.broadcast_in_dim(w, acc.shape, [0]))
+                    return acc, m_new, l * a + w
 
-                zero = plgpu.layout_cast(jnp.full((_BQ, dc), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                init = ((zero,) * _RED_SPLIT,
+                init = (plgpu.layout_cast(jnp.full((_BQ, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
                         plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
                         plgpu.layout_cast(jnp.full((_BQ,), 0.0, jnp.float32), row_l))
                 acc, m, l = lax.fori_loop(0, n_in, merge, init)
                 empty = l == 0.0
-                inv = rows(1.0 / jnp.where(empty, 1.0, l))
+                out = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l), acc.shape, [0])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last item's stores read st_*
                 dst = get("dst_row")
-                plgpu.commit_smem()   # every thread finished its last chunk's loads
                 if final:
                     (out_ref,) = out_refs
-                    for c in range(_RED_SPLIT):
-                        stage.at[wg, c][...] = (acc[c] * inv).astype(dtype)
+                    st_o.at[wg][...] = out.astype(dtype)
                     plgpu.commit_smem()
                     n = jnp.clip(get("n_rows") - r0, 0, _BQ)
-                    for c in range(_RED_SPLIT):
-                        ladder_store(stage.at[wg, c], lambda off, nn, c=c: out_ref.at[
-                            pl.ds(dst + r0 + off, nn), pl.ds(c * dc, dc)], 0, n, _BQ)
-                else:   # staged in the first ring buffers: every chunk loaded was merged
+                    ladder_store(st_o.at[wg], lambda off, nn: out_ref.at[pl.ds(dst + r0 + off, nn)],
+                                  0, n, _BQ)
+                else:
                     ro_ref, rl_ref = out_refs
-                    for c in range(_RED_SPLIT):
-                        in_o.at[wg, c][...] = acc[c] * inv
-                    stage.at[wg][...] = jnp.where(
-                        empty, -jnp.inf, jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
+                    st_o.at[wg][...] = out
+                    st_l.at[wg][...] = jnp.where(empty, -jnp.inf,
+                                                 jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
                     plgpu.commit_smem()
-                    for c in range(_RED_SPLIT):
-                        plgpu.copy_smem_to_gmem(in_o.at[wg, c],
-                                                ro_ref.at[dst, pl.ds(r0, _BQ), pl.ds(c * dc, dc)])
-                    plgpu.copy_smem_to_gmem(stage.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
+                    plgpu.copy_smem_to_gmem(st_o.at[wg], ro_ref.at[dst, pl.ds(r0, _BQ)])
+                    plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
                 return 0
 
             lax.fori_loop(u0, u1, item, 0)
             plgpu.wait_smem_to_gmem(0)
 
-    stage = (plgpu.SMEM((2, _RED_SPLIT, _BQ, dc), dtype) if final
-             else plgpu.SMEM((2, _BQ), jnp.float32))
-    pl.run_scoped(body, plgpu.SMEM((2, nb, _BQ, dc), jnp.float32),
-                  plgpu.SMEM((2, nb, _BQ), jnp.float32), stage, collective_axes="wg")
-
-
-def red_slots(d: int, itemsize: int, final: bool, reserve: int = 0) -> int:
-    """Input chunk buffers per warpgroup of the reduction phase: as many as SMEM holds, 2 to 8
-    (at ``D = 128``: 6 with ``P > 1``, 5 with ``final``, whose output needs its own staging)."""
-    nb = 8
-    while nb > 2 and _red_smem(nb, d, itemsize, final) + reserve + _MOSAIC_OVERHEAD > SMEM_LIMIT:
-        nb -= 1
-    return nb
-
-
-def _red_smem(nb: int, d: int, itemsize: int, final: bool) -> int:
-    dc = d // _RED_SPLIT
-    stage = aligned(2 * _RED_SPLIT * _BQ * dc * itemsize) if final else aligned(2 * _BQ * 4)
-    return aligned(2 * nb * _BQ * dc * 4) + aligned(2 * nb * _BQ * 4) + stage
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, 2, _BQ, d), jnp.float32),
+        plgpu.SMEM((2, 2, _BQ), jnp.float32),
+        plgpu.SMEM((2, _BQ, d), dtype if final else jnp.float32),
+        plgpu.SMEM((2, _BQ), jnp.float32),
+        collective_axes="wg")
 
 
 def _phase1_barriers(mcs):
@@ -435,8 +391,6 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
     else:
         res_types = (jax.ShapeDtypeStruct((U_cap, _ROWS, d), jnp.float32),
                      jax.ShapeDtypeStruct((U_cap, _ROWS), jnp.float32))
-    nb = red_slots(d, dtype.itemsize, final, _profile_smem(config))
-    red_bars = plgpu.Barrier(num_arrivals=2, num_barriers=2 * nb)   # per warpgroup and buffer
     profile = {} if config.profile_dir is None or interpret else dict(
         profile_space=prof_lib.PROFILE_SPACE, profile_dir=config.profile_dir,
         profile_bounds_check=True)   # a truncated trace is reported, never corrupts SMEM
@@ -461,9 +415,10 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                 with jax.named_scope(prof_lib.REDUCTION):
                     _reduction_phase(d, dtype, final, True,
                                      (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
-                                     in_bar, sems, nb)
+                                     in_bar, sems)
 
-            pl.run_scoped(scoped, _phase1_barriers(mcs), red_bars, collective_axes="wg")
+            pl.run_scoped(scoped, _phase1_barriers(mcs),
+                          plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
         call = plgpu.kernel(fused_kernel, out_type=res_types + part_types, **kw)
 
@@ -480,7 +435,7 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
     def red_kernel(red_ref, red_in_ref, off_ref, po_ref, pl_ref, *res_refs):
         pl.run_scoped(lambda in_bar: _reduction_phase(
             d, dtype, final, False, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
-            in_bar, None, nb), red_bars, collective_axes="wg")
+            in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
     call_a = plgpu.kernel(attn_kernel, out_type=part_types, **kw)
     call_r = plgpu.kernel(red_kernel, out_type=res_types, **kw)
