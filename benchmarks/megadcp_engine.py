@@ -522,6 +522,12 @@ def calibration(a, argv):
     """Profiles the fused engine on decode-only batches and fits ``critical_wave.Params``."""
     import shutil
     from liquidcp_jax.megadcp import calibrate as cal
+    try:
+        jax.devices("cpu")
+    except RuntimeError:
+        raise SystemExit("--calibrate: the profiler writes its trace from a host callback, "
+                         "which needs the CPU platform: run with JAX_PLATFORMS=cuda,cpu "
+                         "(or unset)") from None
     G = eng.EngineConfig().grid()
     report = H.Report("benchmarks.megadcp_engine --calibrate", a.out, argv, num_sms=G,
                       quiet=("calibrate_input",))

@@ -18,8 +18,9 @@ for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
            step engine "${BENCH_S:-220}" "$PY" -m benchmarks.megadcp_engine ${BENCH_ARGS:---quick --budget-s 150} --out "$OUT/engine.json" \
              --plot "$OUT/engine.png"
          else echo "benchmarks/megadcp_engine.py is not in this tree"; fi ;;
-  calibrate) step calibrate "${CAL_S:-150}" "$PY" -m benchmarks.megadcp_engine --calibrate \
-               --out "$OUT/calibration.json"
+  # the profiler writes its trace from a host callback, which needs the CPU platform beside CUDA
+  calibrate) JAX_PLATFORMS=cuda,cpu step calibrate "${CAL_S:-150}" "$PY" -m benchmarks.megadcp_engine \
+               --calibrate --out "$OUT/calibration.json"
              # raw traces, and the per-batch inputs that calibration.json's rows also hold
              # ("calibrate_input"; at most 8 files come back from a device call)
              rm -rf "$OUT/megadcp_engine_profile" "$OUT"/megadcp_calibration_input*.json ;;
