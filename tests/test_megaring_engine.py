@@ -62,11 +62,12 @@ def test_transfer_launch_lowers_for_sm90(fused):
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
 
-def sync_kernel(G, N):
+def sync_kernel(G, N, lock=True):
     """A test kernel of the atomics (device counters zeroed by XLA): every CTA takes N tickets
     from one counter (fetch_add), increments a plain cell N times under the lock (load_acquire +
-    store_release: lost updates without mutual exclusion), and tries N CAS 0 -> 1 on its own flag
-    (the first succeeds); the last CTA to finish (a done counter) reads the cell out.
+    store_release: lost updates without mutual exclusion; ``lock=False`` leaves the lock out),
+    and tries N CAS 0 -> 1 on its own flag (the first succeeds); the last CTA to finish (a done
+    counter) reads the cell out.
     Outputs: tickets [G * N] (a permutation of 0 .. G*N - 1), cell [1] (G * N), cas_ok [G] (1)."""
     def kernel(tickets_ref, cell_out, cas_ref):
         c = lax.axis_index("sm")
@@ -76,10 +77,12 @@ def sync_kernel(G, N):
         def body(scr):
             def one(i, ok):
                 tickets_ref[c * N + i] = ms.fetch_add(at(0), scr, 1)
-                ms.lock_acquire(at(1), scr)
+                if lock:
+                    ms.lock_acquire(at(1), scr)
                 v = ms.load_acquire(at(2), scr)
                 ms.store_release(at(2), v + 1)
-                ms.lock_release(at(1))
+                if lock:
+                    ms.lock_release(at(1))
                 old = ms.compare_and_swap(at(4 + c), scr, 0, 1)
                 return ok + jnp.where(old == 0, 1, 0)
             cas_ref[c] = lax.fori_loop(0, N, one, jnp.int32(0))
