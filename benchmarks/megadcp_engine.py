@@ -4,9 +4,9 @@ Per case (one rank's work: its history shard against all gathered heads, plus it
 attention) it times, round-robin, median of rounds of back-to-back calls:
 
 * ``engine_cw``   the fused engine (one launch) with the planner's critical-wave splits
-                  (``Params.h100()``, the default);
-* ``engine_cw4``  the fused engine with critical-wave splits under a smaller per-task overhead
-                  (``delta_attn = 4``; a guess, not a calibration);
+                  (``Params.engine()``, what ``plan_megadcp`` plans for the engine);
+* ``engine_cw32`` the same with the paper's Table 2 (``Params.h100()``, per-task overhead
+                  ``delta_attn`` 32: the default before 2026-12-05, ``engine_cw`` then);
 * ``engine_fa3``  the fused engine with FA3-derived splits (Fig. 12 analogue: plan vs plan);
 * ``engine_cw_b64x4`` (``--configs 64x4``, ...) ``engine_cw`` on another KV ring: 64-key tiles in
                   4 slots keep more K/V in flight per CTA than the default 2 x 128 keys;
@@ -142,9 +142,8 @@ def plan_variants(hist, ql, P, hq, G):
     tiles0 = (-(-local0 // 128)).tolist()
     fa3 = fa3_reference_splits(tiles0, list(ql), heads=P * hq, num_sms=G,
                                history_tokens=local0.tolist())
-    low = cw.Params(num_ctas=G, rho=0.43, delta_attn=4.0, delta_red=2.5, gamma=0.47)
-    return {"cw": build_tables(hist, ql, P, hq, params=cw.Params.h100(G)),
-            "cw4": build_tables(hist, ql, P, hq, params=low),
+    return {"cw": build_tables(hist, ql, P, hq, params=cw.Params.engine(G)),
+            "cw32": build_tables(hist, ql, P, hq, params=cw.Params.h100(G)),
             "fa3": build_tables(hist, ql, P, hq, splits=fa3)}
 
 
@@ -233,7 +232,7 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
             sets.append((qc, qa, mk(tq, D), mk(tq, D), mk(hr, D), mk(hr, D)))
         methods = {}
         dev_tables = {k: jax.device_put(p.tables) for k, p in plans.items()}  # uploaded once
-        for pk in ("cw", "cw4", "fa3"):
+        for pk in ("cw", "cw32", "fa3"):
             tb = dev_tables[pk]
             methods[f"engine_{pk}"] = (fns[True], [s + (tb,) for s in sets])
         # the cost of containing bad data (V cleaned around the launch, rows marked)
@@ -311,8 +310,8 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
         ts = {m: [] for m in methods}
         names = list(methods)
         for r in range(1 if a.interpret else 2 if a.quick else a.rounds):
-            # Each round starts at another method, after an untimed call of it: engine_cw, always
-            # first, read 8-20 % slower than engine_cw4 on identical tables (docs/results.md).
+            # Each round starts at another method, after an untimed call of it: a method always
+            # first read 8-20 % slower than its twin on identical tables (docs/results.md).
             for m in names[r % len(names):] + names[:r % len(names)]:
                 f, args = methods[m]
                 n = 1 if a.interpret else a.calls if m != "xla" else 3
@@ -363,11 +362,11 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
 
 
 # Methods whose device time is also taken from a profiler trace (``device_s``).
-TRACED = ("engine_cw", "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
+TRACED = ("engine_cw", "engine_cw32", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa",
           "cudnn")
 TRACED_QUICK = ("engine_cw", "engine_fa3", "staged_fa3", "triton_gqa")
 TABLE_METHODS = ("engine_cw", "engine_cw_unchecked", "kernel_cw", "kernel_empty", "noop",
-                 "engine_cw4", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa", "cudnn",
+                 "engine_cw32", "engine_fa3", "staged_fa3", "staged_cw", "triton_gqa", "cudnn",
                  "xla")
 
 
@@ -661,7 +660,7 @@ def summarize(rows):
 
 def best_engine(m):
     """The fastest fused-engine time of a row's medians (None where none ran, e.g. --interpret)."""
-    ts = [v for k, v in m.items() if k in ("engine_cw", "engine_cw4", "engine_fa3")
+    ts = [v for k, v in m.items() if k in ("engine_cw", "engine_cw32", "engine_fa3")
           or k.startswith("engine_cw_b")]
     return min(ts) if ts else None
 

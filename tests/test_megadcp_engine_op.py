@@ -40,6 +40,25 @@ def test_plan_engine_tables_and_pytree():
     assert lcp.plan_megadcp([900], [16], _mesh(1), num_q_heads=8).engine is None
 
 
+def test_engine_plans_splits_with_engine_params():
+    """With engine tables and no ``params``, the splits are the planner's under
+    ``Params.engine(grid)``; without the engine, under ``Params.h100()``; ``params`` wins."""
+    from liquidcp_jax.megadcp import critical_wave as cw
+    from liquidcp_jax.megadcp.tables import build_descriptor_tables
+    hist, ql = [30_000, 30_000, 2_000], [16, 16, 4_000]   # a mixed step: (3, 3, 1) vs (2, 2, 1)
+    cfg = eng.EngineConfig(num_ctas=132)
+    splits = lambda plan: plan.host.tables.plan.splits  # noqa: E731
+    want = lambda p: build_descriptor_tables(hist, ql, 1, 8, params=p).plan.splits  # noqa: E731
+    on = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=cfg)
+    off = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=False)
+    mine = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=cfg,
+                            params=cw.Params.h100())
+    assert list(splits(on)) == list(want(cw.Params.engine(132)))
+    assert list(splits(off)) == list(splits(mine)) == list(want(cw.Params.h100()))
+    assert list(splits(on)) != list(splits(off))   # the case tells the two models apart
+    assert cw.Params.engine().delta_attn < cw.Params.h100().delta_attn
+
+
 def test_backend_selection_and_errors(rng):
     hist, ql = [300, 5], [16, 2]
     plan = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=CFG)

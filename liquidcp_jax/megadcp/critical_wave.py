@@ -129,6 +129,13 @@ class Params:
                    warps_per_cta=12, time_unit_us=1.08)
 
     @classmethod
+    def engine(cls, num_ctas: int = 132) -> "Params":
+        """Plans for this library's GPU engine (``backend="pallas"``): Table 2 with a per-task
+        overhead of 4 tile-times instead of the paper engine's 32 (a task starts with one TMA
+        load; docs/decisions.md has the measurements), until a calibration replaces it."""
+        return dataclasses.replace(cls.h100(num_ctas), delta_attn=4.0)
+
+    @classmethod
     def from_calibration(cls, *, num_ctas: int, time_unit_us: float, rho: float, delta_attn: float,
                          delta_red_us: float, gamma_us: float, warps_per_cta: int = 12) -> "Params":
         """Builds ``Params`` from calibrated values with reduction costs in microseconds.

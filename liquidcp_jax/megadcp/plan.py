@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from liquidcp_jax.executors import xla_dcp
 from liquidcp_jax.megadcp import critical_wave as cw
 from liquidcp_jax.megadcp.exec_tables import DcpExecTables, DcpShape, build_exec_tables, shard_src
-from liquidcp_jax.megadcp.tables import DcpTables, bucket, build_descriptor_tables
+from liquidcp_jax.megadcp.tables import (DcpTables, bucket, build_descriptor_tables,
+                                         local_history_lengths)
 from liquidcp_jax.util import constrain as _constrain
 from liquidcp_jax.validation import check_keys, check_positive_int
 
@@ -202,7 +203,8 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       num_kv_heads: ``Hkv`` KV heads (GQA: ``Hq / Hkv`` query heads per KV head). The split plan
         is made for one KV head's work; the executor runs every KV head with it.
       tile: KV tokens per tile; rows_per_tile: query rows (token-head pairs) per attention tile.
-      params: critical-wave parameters of the split planner (default ``Params.h100()``).
+      params: critical-wave parameters of the split planner (default ``Params.engine()`` when
+        the engine's tables are packed, else ``Params.h100()``).
       splits: ``(S,)`` fixed KV split counts (skips the planner; each ``<= max(1, rank-0 tiles)``).
       num_comm_ctas: communication CTAs ``M`` (transfer epochs of the GPU engine).
       min_capacity: smallest table capacity; capacities: per-table floors (``plan.capacity``).
@@ -224,26 +226,10 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     hq = int(num_q_heads) // int(num_kv_heads) // Pn
     from liquidcp_jax.pallas import megadcp_engine_op as engine_op
     caps = check_keys(capacities, _CAPACITY_KEYS + tuple(engine_op.CAPACITY_KEYS), "capacities")
-    t = build_descriptor_tables(hist, qlen, Pn, hq, params=params, tile=tile,
-                                rows_per_tile=rows_per_tile, splits=splits,
-                                num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
-                                capacities={k: v for k, v in caps.items() if k in _TABLE_KEYS})
-    tables, pair_caps = build_exec_tables(t, caps, min_capacity)
-    u = t.num_reductions
-    red_inputs = bucket(max(int(t.red_input_count[:u].max(initial=1)), caps.get("red_inputs", 0)), 1)
-    red_run = bucket(max(int(t.red_vec_count[:u].max(initial=1)), caps.get("red_run", 0)), 1)
-    tq_cap = bucket(max(int(qlen.sum()), caps.get("query_tokens", 0)), min_capacity)
-    local_total = int(t.req_local_len.astype(np.int64).sum(axis=1).max())
+    check_positive_int(tile, "tile")
+    local_total = int(local_history_lengths(hist, Pn).sum(axis=1).max())
     hist_cap = tile * bucket(max(-(-local_total // tile), caps.get("history_tiles", 0)), 1)
-    dmax = 256 if head_dim is None else int(head_dim)   # the block must fit any head dim it may see
-    c_block = _pair_block(pair_caps["chunk_pairs"], t.chunk_q_tile_tokens * hq, tile, dmax, memory_budget)
-    h_block = _pair_block(pair_caps["history_pairs"], t.q_tile_tokens * Pn * hq, tile, dmax, memory_budget)
-    shape = DcpShape(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
-                     hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block)
-    static = DcpStatic(shape, mesh, int(num_q_heads), None if head_dim is None else int(head_dim),
-                       int(num_kv_heads))
-    capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
-                "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
+    # Whether the engine runs decides the splits' cost model, so it comes before the planner.
     fits = engine_op.fits_plan(hist_cap, engine_config)
     if fits is None and num_kv_heads != 1:
         fits = f"the GPU engine runs one KV head per DCP group; num_kv_heads={num_kv_heads}"
@@ -253,6 +239,27 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
                   engine_op.unsupported_reason(jnp.bfloat16, 128, None) == engine_op.NO_TABLES)
     elif engine and fits is not None:
         raise ValueError(f"engine=True: {fits}")
+    if params is None and engine and splits is None:
+        cfg = engine_config if isinstance(engine_config, engine_op.eng.EngineConfig) else None
+        params = cw.Params.engine((cfg or engine_op.eng.EngineConfig()).grid())
+    t = build_descriptor_tables(hist, qlen, Pn, hq, params=params, tile=tile,
+                                rows_per_tile=rows_per_tile, splits=splits,
+                                num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
+                                capacities={k: v for k, v in caps.items() if k in _TABLE_KEYS})
+    tables, pair_caps = build_exec_tables(t, caps, min_capacity)
+    u = t.num_reductions
+    red_inputs = bucket(max(int(t.red_input_count[:u].max(initial=1)), caps.get("red_inputs", 0)), 1)
+    red_run = bucket(max(int(t.red_vec_count[:u].max(initial=1)), caps.get("red_run", 0)), 1)
+    tq_cap = bucket(max(int(qlen.sum()), caps.get("query_tokens", 0)), min_capacity)
+    dmax = 256 if head_dim is None else int(head_dim)   # the block must fit any head dim it may see
+    c_block = _pair_block(pair_caps["chunk_pairs"], t.chunk_q_tile_tokens * hq, tile, dmax, memory_budget)
+    h_block = _pair_block(pair_caps["history_pairs"], t.q_tile_tokens * Pn * hq, tile, dmax, memory_budget)
+    shape = DcpShape(axis_name, Pn, hq, int(tile), t.q_tile_tokens, t.chunk_q_tile_tokens, tq_cap,
+                     hist_cap, t.hist_request.shape[0], red_inputs, red_run, c_block, h_block)
+    static = DcpStatic(shape, mesh, int(num_q_heads), None if head_dim is None else int(head_dim),
+                       int(num_kv_heads))
+    capacity = {**t.capacities, **pair_caps, "red_inputs": red_inputs, "red_run": red_run,
+                "query_tokens": tq_cap, "history_tiles": hist_cap // tile}
     engine_data = None
     if engine:
         engine_data = engine_op.pack_plan(t, tq_cap=tq_cap, hist_cap=hist_cap, config=engine_config,

@@ -280,7 +280,7 @@ def _attention_phase(cx_static, refs, bars, sems):
         collective_axes="wg")
 
 
-def _reduction_phase(d, dtype, final, fused, refs, in_bar, sems):
+def _reduction_phase(d, dtype, final, refs, in_bar, sems):
     """Phase 2: the CTA's reduction items (compute warpgroups; each merges its 64-row half)."""
     red_ref, red_in_ref, off_ref, po_ref, pl_ref, out_refs = refs
     cta = lax.axis_index("sm")
@@ -413,7 +413,7 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                     _attention_phase(cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh,
                                                  po_ref, pl_ref), bars, sems)
                 with jax.named_scope(prof_lib.REDUCTION):
-                    _reduction_phase(d, dtype, final, True,
+                    _reduction_phase(d, dtype, final,
                                      (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
                                      in_bar, sems)
 
@@ -434,7 +434,7 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
 
     def red_kernel(red_ref, red_in_ref, off_ref, po_ref, pl_ref, *res_refs):
         pl.run_scoped(lambda in_bar: _reduction_phase(
-            d, dtype, final, False, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
+            d, dtype, final, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
             in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
     call_a = plgpu.kernel(attn_kernel, out_type=part_types, **kw)
