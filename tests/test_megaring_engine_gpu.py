@@ -40,6 +40,7 @@ def test_transfer_launch_64k(rng, dataset, devices):
 
 # Small to large, the lock last: the 132 x 64 case with the lock hung on an H100 (2026-12-05);
 # which of these pass says whether the lock, the contention or the atomics themselves hang.
+@pytest.mark.timeout(60, method="thread")   # milliseconds of work: past a minute it hangs
 @pytest.mark.parametrize("G,N,lock", [(1, 1, True), (4, 2, True), (132, 64, False),
                                       (132, 64, True)])
 def test_sync_atomics_on_gpu(G, N, lock):
