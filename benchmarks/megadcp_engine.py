@@ -347,6 +347,7 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                "requests": len(hist), "history_tokens": int(np.sum(hist)),
                "rank_history_tokens": int(local.sum()), "query_tokens": nq,
                "splits_cw": list(map(int, vs["cw"].plan.splits)),
+               "splits_cw32": list(map(int, vs["cw32"].plan.splits)),
                "splits_fa3": list(map(int, vs["fa3"].plan.splits)),
                "floor_s": fl, "bytes": byts, "flops": flops, "median_s": med,
                "compile_s": comp, "rel_err_engine_vs_xla": check, "trace_engine_cw": trace,
@@ -417,7 +418,8 @@ def main(argv=None) -> int:
         return calibration(a, argv)
     G = 4 if a.interpret else eng.EngineConfig().grid()
     bw, rate = (1e12, 1e14) if a.interpret else ceilings()
-    report = H.Report("benchmarks.megadcp_engine", a.out, argv, quiet=("splits_cw", "splits_fa3", "trace_engine_cw"),
+    report = H.Report("benchmarks.megadcp_engine", a.out, argv,
+                      quiet=("splits_cw", "splits_cw32", "splits_fa3", "trace_engine_cw"),
                       num_sms=G, copy_bytes_per_s=bw, matmul_flops_per_s=rate)
     print(f"device {report.meta['device_kind']}, {G} SMs, jax {report.meta['jax']}; copy "
           f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)

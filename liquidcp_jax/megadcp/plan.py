@@ -203,8 +203,9 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       num_kv_heads: ``Hkv`` KV heads (GQA: ``Hq / Hkv`` query heads per KV head). The split plan
         is made for one KV head's work; the executor runs every KV head with it.
       tile: KV tokens per tile; rows_per_tile: query rows (token-head pairs) per attention tile.
-      params: critical-wave parameters of the split planner (default ``Params.engine()`` when
-        the engine's tables are packed, else ``Params.h100()``).
+      params: critical-wave parameters of the split planner (default: when the engine's tables
+        are packed and ``splits`` is None, ``Params.engine(engine_config.grid())``, else
+        ``Params.h100()``).
       splits: ``(S,)`` fixed KV split counts (skips the planner; each ``<= max(1, rank-0 tiles)``).
       num_comm_ctas: communication CTAs ``M`` (transfer epochs of the GPU engine).
       min_capacity: smallest table capacity; capacities: per-table floors (``plan.capacity``).
@@ -226,7 +227,7 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     hq = int(num_q_heads) // int(num_kv_heads) // Pn
     from liquidcp_jax.pallas import megadcp_engine_op as engine_op
     caps = check_keys(capacities, _CAPACITY_KEYS + tuple(engine_op.CAPACITY_KEYS), "capacities")
-    check_positive_int(tile, "tile")
+    tile = check_positive_int(tile, "tile")
     local_total = int(local_history_lengths(hist, Pn).sum(axis=1).max())
     hist_cap = tile * bucket(max(-(-local_total // tile), caps.get("history_tiles", 0)), 1)
     # Whether the engine runs decides the splits' cost model, so it comes before the planner.
