@@ -138,8 +138,7 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     if a.interpret or a.check:   # float64 on sampled query rows: a dense [rows, rows] mask is
         ok = np.sort(rng.choice(ok, min(ok.size, CHECK_ROWS), replace=False))   # 16 GB at 64K
         f64 = lambda t: np.asarray(t.astype(jnp.float32), np.float64)  # noqa: E731
-        seq, pos = tb.tok_seq.reshape(-1), tb.tok_pos.reshape(-1)
-        mask = (seq[ok, None] == seq[None, :]) & ((pos[None, :] <= pos[ok, None]) | (not tb.causal))
+        mask = ep.valid_pairs(tb, rows=ok).astype(bool)
         ref = [ep._attend(f64(qc[h][ok]), f64(kc[h]), f64(vc[h]), mask, scale)
                for h in range(Hh)]
     fns = engine_fns(tbh, tbh1, gh, scale, num_sms, a.interpret)

@@ -54,6 +54,16 @@ def _check_claims(tb, res):
         assert ends.get(j, 0) == sg[j, ep.SF["n_local"]] + sg[j, ep.SF["n_remote"]]
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_valid_pairs_of_some_rows(rng, causal):
+    """``valid_pairs(tb, rows)`` is the dense mask's rows (padding rows included: all 0)."""
+    lengths, starts, sizes, N, B = CASES[0]
+    tb = _tables(lengths, starts, sizes, N, B, causal=causal, comm=2)
+    full = ep.valid_pairs(tb)
+    rows = np.sort(rng.choice(full.shape[0], 17, replace=False))
+    np.testing.assert_array_equal(ep.valid_pairs(tb, rows=rows), full[rows])
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("delay", ["none", "random", "reverse", "heavy"])

@@ -677,14 +677,16 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
     return res
 
 
-def valid_pairs(tb: EngineTables) -> np.ndarray:
+def valid_pairs(tb: EngineTables, rows: np.ndarray | None = None) -> np.ndarray:
     """``[P*C, P*C]`` int: 1 where (query row, key row) is a valid pair (same sequence; causal:
-    key position <= query position), else 0."""
+    key position <= query position), else 0. ``rows``: only these query rows (``[len(rows),
+    P*C]``; a dense mask of every row is 16 GB at 64K tokens)."""
     seq = tb.tok_seq.reshape(-1).astype(np.int64)
     pos = tb.tok_pos.reshape(-1).astype(np.int64)
-    m = (seq[:, None] == seq[None, :]) & (seq[:, None] >= 0)
+    qs, qp = (seq, pos) if rows is None else (seq[rows], pos[rows])
+    m = (qs[:, None] == seq[None, :]) & (qs[:, None] >= 0)
     if tb.causal:
-        m &= pos[None, :] <= pos[:, None]
+        m &= pos[None, :] <= qp[:, None]
     return m.astype(np.int32)
 
 
