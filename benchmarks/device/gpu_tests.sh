@@ -8,8 +8,15 @@
 # instead of the hang holding the call; tests expected to be quick carry a shorter
 # pytest.mark.timeout, e.g. the atomics test that hung on an H100).
 # Log: $OUT/gpu_tests.log, a line per test (-v: a run cut by TEST_S still says which passed).
+# Compiled programs go to JAX's persistent cache in .jax_cache/ (JAX_CACHE: another directory,
+# "off": none): the workers share it, so a kernel that several tests build at the same shapes is
+# compiled once per machine, and a later call on the same warm machine skips what it compiled.
 source "$(dirname "$0")/prelude.sh"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ "${JAX_CACHE:-.jax_cache}" != off ]; then
+  export JAX_COMPILATION_CACHE_DIR=${JAX_CACHE:-$PWD/.jax_cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
+  mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+fi
 TAIL=${TAIL:-60} step gpu_tests "${TEST_S:-540}" "$PY" -m pytest -v -m gpu -n "${WORKERS:-4}" -p xdist \
   -o faulthandler_timeout="${HANG_S:-300}" \
   --durations=15 "${@:-tests/}"
