@@ -534,7 +534,7 @@ def calibration(a, argv):
                          "(or unset)") from None
     G = eng.EngineConfig().grid()
     report = H.Report("benchmarks.megadcp_engine --calibrate", a.out, argv, num_sms=G,
-                      quiet=("calibrate_input",))
+                      quiet=("calibrate_input", "reduction_items"))
     pdir = os.path.join(os.path.dirname(os.path.abspath(a.out)), "megadcp_engine_profile")
     rng = np.random.default_rng(0)
     hq = 8
@@ -555,7 +555,14 @@ def calibration(a, argv):
             os.remove(os.path.join(pdir, p))
         jax.block_until_ready(f(*args))        # the profiled run
         clock = a.clock_ghz or sm_clock_ghz() or 1.98
-        attn, red = prof.busy_from_trace(prof.latest_trace(pdir), G, clock)
+        trace = prof.latest_trace(pdir)
+        attn, red = prof.busy_from_trace(trace, G, clock)
+        # per reduction item: its wait for inputs and its merge, against its input count
+        tb = plan.tables
+        cta, wait, merge = prof.reduction_items_from_trace(trace, np.diff(tb.cta_off[1]), clock)
+        n_in = tb.red[:len(cta), et.FR["n_in"]]
+        items = {"cta": cta.tolist(), "n_in": n_in.tolist(), "wait_us": wait.round(3).tolist(),
+                 "merge_us": merge.round(3).tolist()}
         inp = prof.model_inputs(t)
         tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
         cin = prof.calibration_input(attn, red, tiles, splits, G, **inp)
@@ -566,7 +573,10 @@ def calibration(a, argv):
         row = {"case": f"calibration{b}", "requests": len(hist), "history_tokens": int(sum(hist)),
                "clock_ghz": clock, "attention_busy_us_mean": float(attn.mean()),
                "attention_busy_us_max": float(attn.max()),
-               "reduction_busy_us_mean": float(red.mean()), "calibrate_input": cin}
+               "reduction_busy_us_mean": float(red.mean()),
+               "reduction_wait_us_mean": float(wait.mean()) if wait.size else None,
+               "merge_fit": prof.merge_cost_fit(n_in, merge) if merge.size else None,
+               "reduction_items": items, "calibrate_input": cin}
         msg = ""
         if a.fit:   # minutes of host time: on the device machine, rather fit the inputs later
             t0 = time.perf_counter()
@@ -577,7 +587,8 @@ def calibration(a, argv):
             msg = f", fit {row['params']}, RMSE {rmse}"
         report.add(row)
         print(f"calibration{b}: {len(hist)} requests, clock {clock:.2f} GHz, attention busy "
-              f"{attn.mean():.1f} us mean / {attn.max():.1f} max; wrote {path} "
+              f"{attn.mean():.1f} us mean / {attn.max():.1f} max; reduction items: wait "
+              f"{row['reduction_wait_us_mean']} us mean, merge fit {row['merge_fit']}; wrote {path} "
               f"(liquidcp calibrate {os.path.basename(path)}){msg}", flush=True)
     return 0
 

@@ -120,3 +120,94 @@ def test_model_inputs_feed_the_calibration(tmp_path, monkeypatch, capsys):
     assert (fit["params"]["rho"], fit["params"]["delta_attn"]) == (pytest.approx(0.6), 5.0)
     assert fit["params"]["time_unit_us"] == pytest.approx(0.25)
     assert fit["rmse"]["attention_us"] < 1e-9
+
+
+
+def _events_buffer(spec, events, start_ns=1000):
+    """Like :func:`_device_buffer` from explicit events: ``events[(cta, wg)]`` lists
+    ``(name, "B" or "E", cycle)`` in the order the device records them (regions may nest)."""
+    G = 1 + max(c for c, _ in events)
+    buf = np.zeros((G, prof.NUM_WARPGROUPS, spec.entries_per_warpgroup), np.uint32)
+    for (c, wg), evs in events.items():
+        ev = []
+        for name, ph, t in evs:
+            ev += [(spec.ENTER if ph == "B" else spec.EXIT) | spec.intern_name(name), t]
+        buf[c, wg, :3] = (start_ns + 7 * c, c, len(ev))
+        buf[c, wg, 3:3 + len(ev)] = ev
+    return buf.reshape(-1), G
+
+
+def _trace(events):
+    spec = mgpu_profiler.ProfilerSpec(4 * prof.PROFILE_SPACE)
+    buf, G = _events_buffer(spec, events)
+    f = io.StringIO()
+    spec.dump(buf, f, grid=(G, 1, 1), block=(128 * prof.NUM_WARPGROUPS, 1, 1))
+    return json.loads(f.getvalue())
+
+
+def test_reduction_items_from_a_profiler_trace():
+    """Per item wait and merge (the longer warpgroup's, in each CTA's order) come back from the
+    regions the fused engine nests inside ``reduction``; the linear fit recovers a known
+    per-input cost; the outer regions still give the busy times."""
+    rng = np.random.default_rng(2)
+    G, clock, gap = 4, 2.0, 20
+    items = [2, 0, 3, 1]
+    n_in = rng.integers(1, 12, sum(items))
+    fixed, per = 900.0, 3000.0                       # cycles per item and per merged input
+    waits = rng.integers(100, 5000, (sum(items), 2))
+    merges = (fixed + per * n_in[:, None] + rng.integers(0, 50, (sum(items), 2))).astype(int)
+    events, k = {}, 0
+    for c in range(G):
+        for wg in (0, 1):
+            t = 5
+            ev = [("attention", "B", t)]
+            t += 40000 + 100 * c + 7 * wg
+            ev += [("attention", "E", t), ("reduction", "B", t + gap)]
+            t += gap
+            for j in range(k, k + items[c]):
+                for name, dur in (("red_wait", waits[j, wg]), ("red_merge", merges[j, wg])):
+                    ev += [(name, "B", t + gap), (name, "E", t + gap + int(dur))]
+                    t += gap + int(dur)
+            ev.append(("reduction", "E", t + gap))
+            events[(c, wg)] = ev
+        events[(c, 2)] = [("attention", "B", 5), ("attention", "E", 100)]
+        k += items[c]
+    trace = _trace(events)
+    cta, wait, merge = prof.reduction_items_from_trace(trace, items, clock)
+    assert cta.tolist() == [c for c in range(G) for _ in range(items[c])]
+    ov = min(gap, 12) - 1   # the profiler subtracts its cost per event (at most 12 - 1 cycles)
+    np.testing.assert_allclose(wait, (waits - ov).max(1) / 1e3 / clock, rtol=1e-12)
+    np.testing.assert_allclose(merge, (merges - ov).max(1) / 1e3 / clock, rtol=1e-12)
+    fit = prof.merge_cost_fit(n_in, merge)
+    assert fit["items"] == n_in.size
+    assert fit["per_input_us"] == pytest.approx(per / 1e3 / clock, rel=0.02)
+    assert fit["fixed_us"] == pytest.approx((fixed - ov) / 1e3 / clock, abs=0.05)
+    attn, red = prof.busy_from_trace(trace, G, clock)
+    assert (attn > 0).all() and (red > 0).all()
+    with pytest.raises(ValueError, match="the tables 0 reduction items"):
+        prof.reduction_items_from_trace(trace, [2, 0, 3, 0], clock)
+    with pytest.raises(ValueError, match="clock_ghz"):
+        prof.reduction_items_from_trace(trace, items, -1.0)
+
+
+def test_a_full_profile_space_is_an_error():
+    """A warpgroup that used every region of its space may have lost later ones: an error."""
+    n = prof.PROFILE_SPACE - 2
+    ev = [("attention", "B", 5), ("attention", "E", 10)]
+    for i in range(n):
+        ev += [("red_merge", "B", 20 + 10 * i), ("red_merge", "E", 25 + 10 * i)]
+    trace = _trace({(0, 0): ev, (0, 1): ev})
+    with pytest.raises(ValueError, match="filled its profile space"):
+        prof.reduction_items_from_trace(trace, [n], 1.0)
+    with pytest.raises(ValueError, match="filled its profile space"):
+        prof.busy_from_trace(trace, 1, 1.0)
+
+
+def test_merge_cost_fit():
+    fit = prof.merge_cost_fit([1, 2, 3, 4], [2.0, 3.5, 5.0, 6.5])
+    assert fit["fixed_us"] == pytest.approx(0.5) and fit["per_input_us"] == pytest.approx(1.5)
+    assert fit["rmse_us"] == pytest.approx(0.0, abs=1e-12)
+    same = prof.merge_cost_fit([3, 3], [1.0, 3.0])
+    assert same["per_input_us"] is None and same["mean_us"] == 2.0
+    with pytest.raises(ValueError, match="non-empty and of one length"):
+        prof.merge_cost_fit([1, 2], [1.0])

@@ -298,58 +298,12 @@ def _reduction_phase(d, dtype, final, refs, in_bar, sems):
                 get = lambda name: red_ref[i, fr[name]]  # noqa: E731
                 n_in, start = get("n_in"), get("in_start")
                 if sems is not None:
-                    plgpu.semaphore_wait(sems.at[2 * get("counter") + wg], n_in, decrement=False,
-                                         memory_scope="gpu")
-
-                def issue(k):
-                    b = lax.rem(k, 2)
-                    s = red_in_ref[start + k]
-                    plgpu.commit_smem()   # every thread finished reading the buffer we refill
-                    plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ)], in_o.at[wg, b],
-                                            in_bar.at[2 * wg + b])
-                    plgpu.copy_gmem_to_smem(pl_ref.at[s, pl.ds(r0, _BQ)], in_l.at[wg, b],
-                                            in_bar.at[2 * wg + b])
-
-                issue(0)
-
-                def merge(k, carry):
-                    acc, m, l = carry
-                    b = lax.rem(k, 2)
-                    pl.when(k + 1 < n_in)(lambda: issue(k + 1))
-                    plgpu.barrier_wait(in_bar.at[2 * wg + b])
-                    o_k = plgpu.load(in_o.at[wg, b], layout=plgpu.Layout.WGMMA)
-                    l_k = plgpu.load(in_l.at[wg, b], layout=row_l)
-                    m_new = jnp.maximum(m, l_k)
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no NaN for empty rows
-                    a = jnp.exp(m - m_use)
-                    w = jnp.exp(l_k - m_use)
-                    acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
-                           + o_k * lax.broadcast_in_dim(w, acc.shape, [0]))
-                    return acc, m_new, l * a + w
-
-                init = (plgpu.layout_cast(jnp.full((_BQ, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-                        plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
-                        plgpu.layout_cast(jnp.full((_BQ,), 0.0, jnp.float32), row_l))
-                acc, m, l = lax.fori_loop(0, n_in, merge, init)
-                empty = l == 0.0
-                out = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l), acc.shape, [0])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last item's stores read st_*
-                dst = get("dst_row")
-                if final:
-                    (out_ref,) = out_refs
-                    st_o.at[wg][...] = out.astype(dtype)
-                    plgpu.commit_smem()
-                    n = jnp.clip(get("n_rows") - r0, 0, _BQ)
-                    ladder_store(st_o.at[wg], lambda off, nn: out_ref.at[pl.ds(dst + r0 + off, nn)],
-                                  0, n, _BQ)
-                else:
-                    ro_ref, rl_ref = out_refs
-                    st_o.at[wg][...] = out
-                    st_l.at[wg][...] = jnp.where(empty, -jnp.inf,
-                                                 jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(st_o.at[wg], ro_ref.at[dst, pl.ds(r0, _BQ)])
-                    plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
+                    with jax.named_scope(prof_lib.RED_WAIT):   # profiled: waiting for inputs
+                        plgpu.semaphore_wait(sems.at[2 * get("counter") + wg], n_in,
+                                             decrement=False, memory_scope="gpu")
+                with jax.named_scope(prof_lib.RED_MERGE):   # profiled: loads, merge, store
+                    _merge_item(d, dtype, final, get, red_in_ref, po_ref, pl_ref, out_refs,
+                                (in_o, in_l, st_o, st_l), in_bar, wg, r0, row_l, n_in, start)
                 return 0
 
             lax.fori_loop(u0, u1, item, 0)
@@ -362,6 +316,63 @@ def _reduction_phase(d, dtype, final, refs, in_bar, sems):
         plgpu.SMEM((2, _BQ, d), dtype if final else jnp.float32),
         plgpu.SMEM((2, _BQ), jnp.float32),
         collective_axes="wg")
+
+
+def _merge_item(d, dtype, final, get, red_in_ref, po_ref, pl_ref, out_refs, smem, in_bar, wg, r0,
+                row_l, n_in, start):
+    """One reduction item's merge on warpgroup ``wg``'s 64-row half: its ``n_in`` partial
+    states, two in flight (TMA into SMEM), merged in registers, then stored."""
+    in_o, in_l, st_o, st_l = smem
+
+    def issue(k):
+        b = lax.rem(k, 2)
+        s = red_in_ref[start + k]
+        plgpu.commit_smem()   # every thread finished reading the buffer we refill
+        plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ)], in_o.at[wg, b],
+                                in_bar.at[2 * wg + b])
+        plgpu.copy_gmem_to_smem(pl_ref.at[s, pl.ds(r0, _BQ)], in_l.at[wg, b],
+                                in_bar.at[2 * wg + b])
+
+    issue(0)
+
+    def merge(k, carry):
+        acc, m, l = carry
+        b = lax.rem(k, 2)
+        pl.when(k + 1 < n_in)(lambda: issue(k + 1))
+        plgpu.barrier_wait(in_bar.at[2 * wg + b])
+        o_k = plgpu.load(in_o.at[wg, b], layout=plgpu.Layout.WGMMA)
+        l_k = plgpu.load(in_l.at[wg, b], layout=row_l)
+        m_new = jnp.maximum(m, l_k)
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no NaN for empty rows
+        a = jnp.exp(m - m_use)
+        w = jnp.exp(l_k - m_use)
+        acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0])
+               + o_k * lax.broadcast_in_dim(w, acc.shape, [0]))
+        return acc, m_new, l * a + w
+
+    init = (plgpu.layout_cast(jnp.full((_BQ, d), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
+            plgpu.layout_cast(jnp.full((_BQ,), 0.0, jnp.float32), row_l))
+    acc, m, l = lax.fori_loop(0, n_in, merge, init)
+    empty = l == 0.0
+    out = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l), acc.shape, [0])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last item's stores read st_*
+    dst = get("dst_row")
+    if final:
+        (out_ref,) = out_refs
+        st_o.at[wg][...] = out.astype(dtype)
+        plgpu.commit_smem()
+        n = jnp.clip(get("n_rows") - r0, 0, _BQ)
+        ladder_store(st_o.at[wg], lambda off, nn: out_ref.at[pl.ds(dst + r0 + off, nn)],
+                     0, n, _BQ)
+    else:
+        ro_ref, rl_ref = out_refs
+        st_o.at[wg][...] = out
+        st_l.at[wg][...] = jnp.where(empty, -jnp.inf,
+                                     jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_o.at[wg], ro_ref.at[dst, pl.ds(r0, _BQ)])
+        plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
 
 
 def _phase1_barriers(mcs):

@@ -12,6 +12,11 @@ The model's quantities, per CTA (compute warpgroups 0 and 1; the producer warpgr
 * attention busy = the longer of the two ``attention`` regions;
 * reduction busy = the later ``reduction`` exit minus the later ``attention`` exit: the time from
   the CTA's release to its last reduction, waits for inputs included (as the model counts them).
+
+Inside ``reduction`` the fused engine records two regions per reduction item, ``red_wait`` (until
+its inputs' counters are complete) and ``red_merge`` (its loads, merge and store):
+:func:`reduction_items_from_trace` reads them per item and :func:`merge_cost_fit` fits what a
+merged partial state costs, which says whether a step's reductions wait for attention or merge.
 """
 from __future__ import annotations
 
@@ -23,9 +28,15 @@ from typing import Sequence
 import numpy as np
 
 ATTENTION, REDUCTION = "attention", "reduction"   # the engine's named regions
+# Inside ``reduction``, per reduction item: the wait for its inputs' counters, then its merge
+# (loads, merge, store); the fused engine's two regions per item.
+RED_WAIT, RED_MERGE = "red_wait", "red_merge"
 COMPUTE_WARPGROUPS = (0, 1)
 NUM_WARPGROUPS = 3
-PROFILE_SPACE = 4   # regions a warpgroup may record (two are used; the rest is slack)
+# Regions a warpgroup may record, one of them taken by the trace header: attention, reduction
+# and 10 reduction items of two regions each. 48 bytes of SMEM each (3 warpgroups x 4 words):
+# 1152 bytes, inside the ~1.7 KiB the engine leaves free at D = 128.
+PROFILE_SPACE = 24
 
 
 def latest_trace(profile_dir: str) -> str:
@@ -45,23 +56,17 @@ def busy_from_trace(trace, num_ctas: int, clock_ghz: float) -> tuple[np.ndarray,
       num_ctas: the engine's grid (CTA ``c`` is ``tid // 3`` of the trace, ``tid`` 1-based).
       clock_ghz: SM clock in GHz (cycles per ns) during the run.
     """
-    if isinstance(trace, (str, os.PathLike)):
-        with open(trace, encoding="utf-8") as f:
-            trace = json.load(f)
     if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
         raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
     K = int(num_ctas)
     # enter / exit (kilocycles) of each (cta, warpgroup, region)
     enter, leave = {}, {}
-    for ev in trace.get("traceEvents", ()):
-        name = ev.get("name")
-        if name not in (ATTENTION, REDUCTION):
-            continue
-        cta, wg = divmod(int(ev["tid"]) - 1, NUM_WARPGROUPS)
-        if not 0 <= cta < K:
-            raise ValueError(f"the trace has CTA {cta}, outside num_ctas={K}")
-        key = (cta, wg, name)
-        (enter if ev["ph"] == "B" else leave)[key] = float(ev["ts"])
+    for (cta, wg), regions in _regions(trace, K).items():
+        for name, t0, t1 in regions:
+            if name in (ATTENTION, REDUCTION):
+                enter[(cta, wg, name)] = t0
+                if t1 is not None:
+                    leave[(cta, wg, name)] = t1
     attn = np.zeros(K)
     red = np.zeros(K)
     attn_end = np.full(K, -np.inf)
@@ -88,6 +93,93 @@ def busy_from_trace(trace, num_ctas: int, clock_ghz: float) -> tuple[np.ndarray,
     red[has_red] = np.maximum(red_end[has_red] - attn_end[has_red], 0.0)
     # kilocycles -> µs: 1e3 cycles / (clock_ghz * 1e3 cycles per µs)
     return attn / clock_ghz, red / clock_ghz
+
+
+def _regions(trace, num_ctas: int) -> dict:
+    """``{(cta, warpgroup): [(name, enter, exit or None), ...]}`` in entry order (kilocycles),
+    from the profiler's Chrome trace (a path or its parsed JSON). A warpgroup that used every
+    region of its space may have lost later ones (``profile_bounds_check`` drops them, and the
+    dump closes open regions where the trace stops): that is an error, never a short answer."""
+    if isinstance(trace, (str, os.PathLike)):
+        with open(trace, encoding="utf-8") as f:
+            trace = json.load(f)
+    out, open_ = {}, {}
+    for ev in trace.get("traceEvents", ()):
+        if ev.get("ph") not in ("B", "E") or "tid" not in ev:
+            continue
+        cta, wg = divmod(int(ev["tid"]) - 1, NUM_WARPGROUPS)
+        if not 0 <= cta < num_ctas:
+            raise ValueError(f"the trace has CTA {cta}, outside num_ctas={num_ctas}")
+        regions = out.setdefault((cta, wg), [])
+        stack = open_.setdefault((cta, wg), [])
+        if ev["ph"] == "B":
+            regions.append([ev["name"], float(ev["ts"]), None])
+            stack.append(len(regions) - 1)
+        else:   # regions nest: an exit closes the innermost open region of its name
+            for j in reversed(range(len(stack))):
+                if regions[stack[j]][0] == ev["name"]:
+                    regions[stack.pop(j)][2] = float(ev["ts"])
+                    break
+    for (cta, wg), regions in out.items():
+        if len(regions) >= PROFILE_SPACE - 1:
+            raise ValueError(f"CTA {cta} warpgroup {wg} filled its profile space "
+                             f"({len(regions)} regions of PROFILE_SPACE - 1 = {PROFILE_SPACE - 1}):"
+                             f" the trace may be truncated; raise PROFILE_SPACE or give the CTAs "
+                             f"fewer reduction items")
+    return {k: [tuple(r) for r in v] for k, v in out.items()}
+
+
+def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: float
+                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per reduction item of the fused engine, in each CTA's order (CTA 0's items first, as in
+    the tables' CTA-major ``red``): ``(cta, wait_us, merge_us)``, each ``[items]``.
+
+    ``wait_us`` is the time the item waited for its inputs' counters, ``merge_us`` its loads,
+    merge and store; each the longer of the two compute warpgroups' (each merges a 64-row
+    half). ``items_per_cta[c]``: the items CTA ``c`` ran (``diff(tables.cta_off[1])``); a CTA
+    whose trace holds another number of items is an error.
+    """
+    if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
+        raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
+    items = np.asarray(items_per_cta, np.int64)
+    K = items.size
+    regs = _regions(trace, K)
+    cta, wait, merge = [], [], []
+    for c in range(K):
+        per_wg = []
+        for wg in COMPUTE_WARPGROUPS:
+            r = regs.get((c, wg), [])
+            w = [t1 - t0 for n, t0, t1 in r if n == RED_WAIT and t1 is not None]
+            m = [t1 - t0 for n, t0, t1 in r if n == RED_MERGE and t1 is not None]
+            if len(m) != items[c] or len(w) != items[c]:
+                raise ValueError(f"CTA {c} warpgroup {wg}: the trace has {len(w)} waits and "
+                                 f"{len(m)} merges, the tables {int(items[c])} reduction items "
+                                 f"(was it written by the fused engine with these tables?)")
+            per_wg.append((w, m))
+        for k in range(int(items[c])):
+            cta.append(c)
+            wait.append(max(w[k] for w, _ in per_wg))
+            merge.append(max(m[k] for _, m in per_wg))
+    to_us = lambda x: np.asarray(x, np.float64) / clock_ghz  # noqa: E731   kilocycles -> µs
+    return np.asarray(cta, np.int64), to_us(wait), to_us(merge)
+
+
+def merge_cost_fit(n_in: Sequence[int], merge_us: Sequence[float]) -> dict:
+    """Least-squares ``merge_us ~ fixed_us + per_input_us * n_in`` over reduction items (what a
+    merged partial state costs the engine; ``per_input_us`` is None when every item merges the
+    same number of inputs), with its RMSE."""
+    n = np.asarray(n_in, np.float64)
+    y = np.asarray(merge_us, np.float64)
+    if n.shape != y.shape or n.size == 0:
+        raise ValueError(f"n_in and merge_us must be non-empty and of one length, got {n.size} "
+                         f"and {y.size}")
+    if np.unique(n).size < 2:
+        return {"items": int(n.size), "fixed_us": None, "per_input_us": None,
+                "mean_us": float(y.mean()), "rmse_us": float(y.std())}
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), y, rcond=None)
+    rmse = float(np.sqrt(np.mean((a + b * n - y) ** 2)))
+    return {"items": int(n.size), "fixed_us": float(a), "per_input_us": float(b),
+            "mean_us": float(y.mean()), "rmse_us": rmse}
 
 
 def calibration_input(attention_busy_us: Sequence[float], reduction_busy_us: Sequence[float],
