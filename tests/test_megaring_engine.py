@@ -62,30 +62,58 @@ def test_transfer_launch_lowers_for_sm90(fused):
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
 
+MAX_SPINS = 1 << 22   # a bounded lock in the atomics test: a lock never granted is data, not a hang
+
+
+def _bounded_lock(ref, scr):
+    """Spins at most MAX_SPINS CAS 0 -> 1 on ``ref``: ``(spins, old)``, granted iff ``old == 0``
+    (the atomics test reports a lock that is never granted instead of hanging)."""
+    def cond(c):
+        old, n = c
+        return (old != 0) & (n < MAX_SPINS)
+
+    def step(c):
+        return ms.compare_and_swap(ref, scr, 0, 1), c[1] + 1
+
+    return lax.while_loop(cond, step, (ms.compare_and_swap(ref, scr, 0, 1), jnp.int32(1)))
+
+
 def sync_kernel(G, N, lock=True):
     """A test kernel of the atomics (device counters zeroed by XLA): every CTA takes N tickets
     from one counter (fetch_add), increments a plain cell N times under the lock (load_acquire +
     store_release: lost updates without mutual exclusion; ``lock=False`` leaves the lock out),
     and tries N CAS 0 -> 1 on its own flag (the first succeeds); the last CTA to finish (a done
-    counter) reads the cell out.
-    Outputs: tickets [G * N] (a permutation of 0 .. G*N - 1), cell [1] (G * N), cas_ok [G] (1)."""
-    def kernel(tickets_ref, cell_out, cas_ref):
+    counter) reads the cell out. The lock is bounded (:func:`_bounded_lock`): a CTA that is never
+    granted it records that and goes on.
+    Outputs: tickets [G * N] (a permutation of 0 .. G*N - 1), cell [1] (G * N), cas_ok [G] (1),
+    diag [G * 3]: per CTA the most spins one acquisition took, the acquisitions never granted
+    (0), and the lock word the last of those saw."""
+    def kernel(tickets_ref, cell_out, cas_ref, diag_ref):
         c = lax.axis_index("sm")
         ctr = pl.get_global(plgpu.SemaphoreType.REGULAR((4 + G,)))   # ticket, lock, cell, done
         at = lambda i: ctr.at[pl.ds(i, 1)]  # noqa: E731
 
         def body(scr):
-            def one(i, ok):
+            def one(i, carry):
+                ok, most, fails, seen = carry
                 tickets_ref[c * N + i] = ms.fetch_add(at(0), scr, 1)
                 if lock:
-                    ms.lock_acquire(at(1), scr)
+                    old, spins = _bounded_lock(at(1), scr)
+                    most = jnp.maximum(most, spins)
+                    fails = fails + jnp.where(old == 0, 0, 1)
+                    seen = jnp.where(old == 0, seen, old)
                 v = ms.load_acquire(at(2), scr)
                 ms.store_release(at(2), v + 1)
                 if lock:
                     ms.lock_release(at(1))
                 old = ms.compare_and_swap(at(4 + c), scr, 0, 1)
-                return ok + jnp.where(old == 0, 1, 0)
-            cas_ref[c] = lax.fori_loop(0, N, one, jnp.int32(0))
+                return ok + jnp.where(old == 0, 1, 0), most, fails, seen
+            z = jnp.int32(0)
+            ok, most, fails, seen = lax.fori_loop(0, N, one, (z, z, z, z))
+            cas_ref[c] = ok
+            diag_ref[3 * c] = most
+            diag_ref[3 * c + 1] = fails
+            diag_ref[3 * c + 2] = seen
             last = ms.fetch_add(at(3), scr, 1)
 
             @pl.when(last == G - 1)
@@ -96,7 +124,8 @@ def sync_kernel(G, N, lock=True):
 
     return plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct((G * N,), jnp.int32),
                                           jax.ShapeDtypeStruct((1,), jnp.int32),
-                                          jax.ShapeDtypeStruct((G,), jnp.int32)),
+                                          jax.ShapeDtypeStruct((G,), jnp.int32),
+                                          jax.ShapeDtypeStruct((3 * G,), jnp.int32)),
                         grid=(G,), grid_names=("sm",))
 
 

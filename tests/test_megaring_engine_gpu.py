@@ -39,15 +39,22 @@ def test_transfer_launch_64k(rng, dataset, devices):
 
 
 # Small to large, the lock last: the 132 x 64 case with the lock hung on an H100 (2026-12-05);
-# which of these pass says whether the lock, the contention or the atomics themselves hang.
+# which of these pass says whether the lock, the contention or the atomics themselves hang, and
+# the bounded lock turns a lock never granted into a failure that shows the lock word.
 @pytest.mark.timeout(60, method="thread")   # milliseconds of work: past a minute it hangs
 @pytest.mark.parametrize("G,N,lock", [(1, 1, True), (4, 2, True), (132, 64, False),
                                       (132, 64, True)])
 def test_sync_atomics_on_gpu(G, N, lock):
     """fetch_add hands out every ticket once, the lock serialises read-modify-writes, CAS
     succeeds once per flag (G CTAs x N rounds)."""
-    from test_megaring_engine import sync_kernel
-    tickets, cell, cas_ok = jax.block_until_ready(sync_kernel(G, N, lock)())
+    from test_megaring_engine import MAX_SPINS, sync_kernel
+    tickets, cell, cas_ok, diag = jax.block_until_ready(sync_kernel(G, N, lock)())
+    diag = np.asarray(diag).reshape(G, 3)
+    # the lock is bounded: a CTA never granted it says so (and what it saw) instead of hanging
+    assert not diag[:, 1].any(), (f"lock never granted after {MAX_SPINS} spins on CTAs "
+                                  f"{np.flatnonzero(diag[:, 1])[:8].tolist()}; lock words seen "
+                                  f"{diag[diag[:, 1] > 0, 2][:8].tolist()}; cell {int(cell[0])}")
+    print(f"G={G} N={N} lock={lock}: most spins per acquisition {int(diag[:, 0].max())}")
     assert sorted(np.asarray(tickets).tolist()) == list(range(G * N))
     if lock:
         assert int(cell[0]) == G * N
