@@ -7,7 +7,9 @@ per batch: Q segments, forward tasks without coalescing (one per (segment, KV ti
 claim rule forms, mean KV tiles per task, the share of remainder claims (below ``tau_min``),
 remote tiles transferred, and the model's makespan and busy fraction. The times are the model's
 units (one KV tile of compute = 1, ``--transfer`` per tile issued, 1 + width per task): they
-show how the rule behaves under a cost model, not how fast a GPU is.
+show how the rule behaves under a cost model, not how fast a GPU is. ``with_scan_cost``: the same
+batch when each acquire load of a claim scan costs ``--scan-time``, for the kernel's cursor scan
+and for the old scan of every segment (loads per claim, busy fraction, makespan).
 
   python -m benchmarks.megaring_engine_protocol [--datasets arxiv,freelaw,pilecc]
       [--tokens 64K,128K] [--devices 4,8] [--ctas N (default 132 // devices)] [--batches 2]
@@ -27,7 +29,8 @@ from liquidcp_jax.megaring.layout import build_layout
 from liquidcp_jax.workloads.samplers import parse_tokens, sample_batch
 
 
-def run_one(dataset, tokens, seed, devices, tile, ctas, comm, task_tiles, delay, transfer):
+def run_one(dataset, tokens, seed, devices, tile, ctas, comm, task_tiles, delay, transfer,
+            scan_time=0.2):
     lengths = sample_batch(dataset, tokens, seed)
     pl = placement_lib.buddyring(lengths.tolist(), devices)
     lay = build_layout(lengths, pl.starts, pl.sizes, devices, tile)
@@ -40,6 +43,14 @@ def run_one(dataset, tokens, seed, devices, tile, ctas, comm, task_tiles, delay,
     res = ep.simulate(tb, ep.SimConfig(ctas_per_rank=ctas, delay=delay, transfer_time=transfer,
                                        seed=seed))
     t_sim = time.perf_counter() - t0
+    # the scans' acquire loads as a cost (scan_time each): the kernel's cursor scan vs the old
+    # scan of every segment of the rank
+    scans = {}
+    for scan in ("cursor", "all"):
+        r = ep.simulate(tb, ep.SimConfig(ctas_per_rank=ctas, delay=delay, transfer_time=transfer,
+                                         seed=seed, scan=scan, scan_time=scan_time))
+        scans[scan] = {"loads_per_claim": round(r["scan_loads_per_claim"], 1),
+                       "model_busy": round(r["busy"], 4), "model_time": round(r["time"], 1)}
     one = ep.one_tile_tasks(tb)
     assert res["tiles"] == one
     widths = res["tiles_per_task"]
@@ -52,7 +63,9 @@ def run_one(dataset, tokens, seed, devices, tile, ctas, comm, task_tiles, delay,
             "remainder_share": round(res["remainder_tasks"] / max(res["tasks"], 1), 4),
             "width_hist": {int(k): int(v) for k, v in sorted(widths.items())},
             "transfers": int(len(tb.xfer)), "model_time": round(res["time"], 1),
-            "model_busy": round(res["busy"], 4), "build_s": round(t_build, 2),
+            "model_busy": round(res["busy"], 4),
+            "scan_loads_per_claim": round(res["scan_loads_per_claim"], 1),
+            "scan_time": scan_time, "with_scan_cost": scans, "build_s": round(t_build, 2),
             "sim_s": round(t_sim, 2)}
 
 
@@ -68,6 +81,9 @@ def main(argv=None):
     ap.add_argument("--delay", default="random")
     ap.add_argument("--transfer", type=float, default=0.5)
     ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--scan-time", type=float, default=0.2,
+                    help="cost of one acquire load of a claim scan (tile-compute units), for the "
+                         "with_scan_cost runs of both scan policies")
     ap.add_argument("--out", default=H.latest("megaring_engine_protocol.json"))
     a = ap.parse_args(argv)
     rep = H.Report("benchmarks/megaring_engine_protocol.py", a.out, argv, devices=False)
@@ -77,7 +93,7 @@ def main(argv=None):
             for ds in H.parse_list(a.datasets):
                 for seed in range(a.batches):
                     rep.add(run_one(ds, parse_tokens(tokens), seed, devices, a.tile, ctas, a.comm,
-                                    a.task_tiles, a.delay, a.transfer))
+                                    a.task_tiles, a.delay, a.transfer, a.scan_time))
 
 
 if __name__ == "__main__":

@@ -332,6 +332,12 @@ class SimConfig:
     times; ``task_overhead`` / ``merge_time``: per task; ``seed``.
     ``order``: "comm_first" (the engine's CTA indices) or "compute_first" (a broken order, to
     show that the model catches the deadlock it causes when ``num_sms`` is short).
+    ``scan``: how a compute CTA looks for a claimable segment: "cursor" (the kernel's: from the
+    segment it last claimed, initially the rank's CTAs evenly spread over its segments, wrapping
+    around them and stopping at the first claimable one) or "all" (every segment of the rank each
+    time, the first claimable in rank order: the kernel before 2026-12-06); ``scan_time``: the
+    cost of one acquire load of a scan (a segment's claim counter; for one not fully claimed
+    also its stream's two published counts), not counted as busy.
     """
 
     ctas_per_rank: int = 2
@@ -345,6 +351,8 @@ class SimConfig:
     inflight: int = 4
     seed: int = 0
     order: str = "comm_first"
+    scan: str = "cursor"
+    scan_time: float = 0.0
 
     def __post_init__(self):
         _check_int("ctas_per_rank", self.ctas_per_rank)
@@ -355,7 +363,10 @@ class SimConfig:
             raise ValueError(f"delay must be 'none', 'random', 'reverse' or 'heavy'; got {self.delay!r}")
         if self.order not in ("comm_first", "compute_first"):
             raise ValueError(f"order must be 'comm_first' or 'compute_first'; got {self.order!r}")
-        for name in ("transfer_time", "delay_scale", "start_jitter", "task_overhead", "merge_time"):
+        if self.scan not in ("cursor", "all"):
+            raise ValueError(f"scan must be 'cursor' or 'all'; got {self.scan!r}")
+        for name in ("transfer_time", "delay_scale", "start_jitter", "task_overhead", "merge_time",
+                     "scan_time"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)!r}")
 
@@ -476,7 +487,9 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
       key row) was computed), ``out`` / ``lse`` (``[P*C, D]`` / ``[P*C]``, with ``qkv``),
       ``busy`` (fraction of CTA time spent computing or merging), ``segments``, ``claims``
       (``[tasks, 4]``: segment, ``C``, ``E``, ``R`` at each claim, in claim order), ``map`` (every
-      stream's final logical-to-physical map: receive slots in commit order).
+      stream's final logical-to-physical map: receive slots in commit order),
+      ``scan_loads_per_claim`` (acquire loads of the compute CTAs' scans per claim, failed scans
+      included: ``SimConfig.scan``).
     Raises:
       Deadlock: unfinished CTAs all wait (message: what each waits for).
       AssertionError: a task read an unwritten receive slot, a Q tile finalized twice or early.
@@ -523,7 +536,8 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
     seg_start = [int(tb.seg_off[d]) for d in range(P)]
     seg_end = [int(tb.seg_off[d + 1]) for d in range(P)]
     sg = tb.seg.astype(np.int64)
-    stats = {"tasks": 0, "tiles": 0, "remainder_tasks": 0, "tiles_per_task": {}, "busy": 0.0}
+    stats = {"tasks": 0, "tiles": 0, "remainder_tasks": 0, "tiles_per_task": {}, "busy": 0.0,
+             "scan_loads": 0}
     claims = []                                     # (segment, C, E, R) of every claim
 
     def published(s):
@@ -590,33 +604,59 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
                 assert p < limit, "stream overflow"
                 smap[st[TF["map_start"]] + p] = slot
                 committed[s, klass] += 1
-        yield from compute(d)
+        yield from compute(d, w)
 
-    def eligible(d):
-        for j in range(seg_start[d], seg_end[d]):
+    def claimable(j):
+        r = sg[j]
+        total = r[SF["n_local"]] + r[SF["n_remote"]]
+        c0 = claimed[j]
+        if c0 >= total:
+            return False
+        R = ready(j)
+        return R - c0 >= r[SF["tau_min"]] or (R == total and R > c0)
+
+    def eligible(d, start=None):
+        """``(j, loads)``: the claimable segment of rank ``d`` a scan finds, -1 if none, and the
+        acquire loads it takes. ``start`` (``SimConfig.scan == "cursor"``): from ``start``,
+        wrapping around, stopping at the first claimable segment, one load for a fully claimed
+        segment and three for another; ``None`` ("all"): every segment, three loads each, the
+        first claimable in rank order."""
+        s0, S = seg_start[d], seg_end[d] - seg_start[d]
+        if start is None:
+            found = next((j for j in range(s0, s0 + S) if claimable(j)), -1)
+            return found, 3 * S
+        loads = 0
+        for k in range(S):
+            j = s0 + (start - s0 + k) % S
             r = sg[j]
-            total = r[SF["n_local"]] + r[SF["n_remote"]]
-            c0 = claimed[j]
-            if c0 >= total:
-                continue
-            R = ready(j)
-            if R - c0 >= r[SF["tau_min"]] or (R == total and R > c0):
-                return j
-        return -1
+            loads += 1 if claimed[j] >= r[SF["n_local"]] + r[SF["n_remote"]] else 3
+            if claimable(j):
+                return j, loads
+        return -1, loads
 
     def all_claimed(d):
         return all(claimed[j] >= sg[j, SF["n_local"]] + sg[j, SF["n_remote"]]
                    for j in range(seg_start[d], seg_end[d]))
 
-    def compute(d):
+    def compute(d, idx):
+        S = seg_end[d] - seg_start[d]
+        # CTAs of a rank start evenly spread over its segments, so they rarely meet
+        cursor = (seg_start[d] + idx * S // cfg.ctas_per_rank) if (cfg.scan == "cursor" and S) else None
         while True:
-            j = eligible(d)
+            j, loads = eligible(d, cursor)
+            stats["scan_loads"] += loads
+            if cfg.scan_time:
+                yield ("sleep", cfg.scan_time * loads, False)
+                if j >= 0 and not claimable(j):
+                    continue   # claimed by another CTA while this one scanned: scan again
             if j < 0:
                 if all_claimed(d):
                     return
-                yield ("wait", lambda: eligible(d) >= 0 or all_claimed(d),
+                yield ("wait", lambda: eligible(d, cursor)[0] >= 0 or all_claimed(d),
                        f"rank {d} compute: no segment has R - C >= tau_min")
                 continue
+            if cursor is not None:
+                cursor = j
             r = sg[j]
             c0, R = int(claimed[j]), int(ready(j))
             e0 = c0 + min(R - c0, int(r[SF["tau_max"]]))
@@ -661,7 +701,11 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
             lock[d, a] = -1
 
     # ---- the event loop
-    procs = [comm(d, w) if w >= 0 else compute(d) for d, w in roles]
+    per_rank = [0] * P   # a CTA's index within its rank: workers first (their worker index)
+    procs = []
+    for d, w in roles:
+        procs.append(comm(d, w) if w >= 0 else compute(d, W + per_rank[d]))
+        per_rank[d] += w < 0
     now, busy_time = run_event_loop(procs, rng.random(G) * cfg.start_jitter, cfg.num_sms, rng)
     assert np.all(finalized == (tb.tile_total > 0)), "a Q tile was not finalized exactly once"
     res = dict(stats)
@@ -671,6 +715,7 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
     res["tasks_per_segment"] = stats["tasks"] / max(len(tb.seg), 1)
     res["pair_count"] = pair_count
     res["claims"] = np.asarray(claims, np.int64).reshape(-1, 4)
+    res["scan_loads_per_claim"] = stats["scan_loads"] / max(stats["tasks"], 1)
     res["map"] = smap[:tb.map_size].copy()
     if qkv is not None:
         res["out"] = out

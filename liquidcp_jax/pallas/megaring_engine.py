@@ -16,7 +16,11 @@ warpgroup; CTAs ``0 .. P*W - 1`` are the workers above (K and V per transfer) an
 their rank, the others compute from the start. A compute CTA repeatedly scans its rank's
 segments for one with ``R - C >= tau_min`` (or a final remainder; ``R`` from the published stream
 prefix with the front-half barrier, exactly :mod:`~liquidcp_jax.megaring.engine_protocol`'s
-rule), claims ``[C, E)`` with a CAS on ``C``, adds the width to the rank's claimed count, and
+rule), starting at the segment it last claimed (first: the rank's CTAs evenly spread over its
+segments) and stopping at the first claimable one, since every segment examined costs acquire
+loads (the scan of every segment per claim it replaced took 20-100x the loads per claim in the
+protocol model, 2026-12-06),
+claims ``[C, E)`` with a CAS on ``C``, adds the width to the rank's claimed count, and
 runs the task as two 64-row halves: Q half by TMA, then per logical tile the local tile or the
 mapped receive slot (K, V and the keys' sequence ids / positions by TMA), ``S = Q K^T`` (wgmma),
 the mask by sequence id (the segment's) and position, online softmax, ``P V`` (wgmma). The
@@ -49,8 +53,8 @@ reference, pairs counted through the LSE with zero queries, perturbed arrival or
 backward is :mod:`megaring_engine_bwd` / ``_bwd_fused``. K / V of a task's tiles load in two
 stages (tile ``i + 1`` while tile ``i`` computes; since 2026-12-05, third session, checked in the
 interpreter and lowered, not yet run on the GPU). Not tuned: one warpgroup per CTA (no
-ping-pong), each 64-row half of a Q tile reads the task's K / V tiles again, the scan reads every
-segment's counters per claim, one head per rank (``EmulatedRing`` runs several heads in one
+ping-pong), each 64-row half of a Q tile reads the task's K / V tiles again, a scan still
+reads a segment's counters one acquire load at a time, one head per rank (``EmulatedRing`` runs several heads in one
 launch as copies of the plan on virtual ranks). The running state is written by TMA (async
 proxy) in one CTA and read by TMA in the next lock holder, ordered by the lock's release /
 acquire after ``wait_smem_to_gmem(0)``, the collective-matmul pattern.
@@ -478,7 +482,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             s0, s1 = seg_off_ref[rank], seg_off_ref[rank + 1]
 
             def ready(j):
-                """(R, total) of segment j from the published stream prefix."""
+                """R of segment j from the published stream prefix."""
                 nl, sid, nr = seg_ref[j, sf["n_local"]], seg_ref[j, sf["stream"]], seg_ref[j, sf["n_remote"]]
                 sidc = jnp.maximum(sid, 0)
                 F = st_ref[sidc, 0]
@@ -486,13 +490,36 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 p1 = msync.load_acquire(at(publish, 2 * sidc + 1), scr)
                 pub = jnp.where(p0 < F, p0, F + p1)
                 rem = jnp.where(sid >= 0, jnp.minimum(pub, nr), 0)
-                return nl + rem, nl + nr
+                return nl + rem
 
-            def scan(j, found):
-                cj = msync.load_acquire(at(claim, j), scr)
-                R, total = ready(j)
-                ok = (cj < total) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > cj)))
-                return jnp.where((found < 0) & ok, j, found)
+            def total_of(j):
+                return seg_ref[j, sf["n_local"]] + seg_ref[j, sf["n_remote"]]
+
+            def claimable(j, cj, R):
+                total = total_of(j)
+                return (cj < total) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > cj)))
+
+            def scan(cursor):
+                """``(j, C, R)``: the first claimable segment of the rank from ``cursor`` on
+                (wrapping around), -1 if none. A fully claimed segment costs one acquire load,
+                the others three (its claim and its stream's published prefix); the scan stops
+                at the first claimable one (each examined segment is a few µs of latency)."""
+                S = s1 - s0
+
+                def cond(st):
+                    return (st[1] < 0) & (st[0] < S)
+
+                def body(st):
+                    k = st[0]
+                    j = s0 + lax.rem(cursor - s0 + k, jnp.maximum(S, 1))
+                    cj = msync.load_acquire(at(claim, j), scr)
+                    R = lax.cond(cj < total_of(j), lambda: ready(j), lambda: jnp.int32(0))
+                    ok = claimable(j, cj, R)
+                    return (k + 1, jnp.where(ok, j, -1), cj, R)
+
+                z = jnp.int32(0)
+                _, j, cj, R = lax.while_loop(cond, body, (z, jnp.int32(-1), z, z))
+                return j, cj, R
 
             def run_half(j, c0, e0, h, prev_static=None):
                 """Task [c0, e0) of segment j, rows 64 h .. 64 h + 63 of its Q tile, merged into
@@ -648,28 +675,25 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                     msync.store_release(at(merged, u), done_tiles)
                     msync.lock_release(at(locks, u))
 
-            def claim_step(done):
-                j = lax.fori_loop(s0, s1, scan, jnp.int32(-1))
+            def claim_step(st):
+                _, cursor = st
+                j, c0, R = scan(cursor)
 
                 @pl.when(j >= 0)
-                def _():
-                    c0 = msync.load_acquire(at(claim, j), scr)
-                    R, total = ready(j)
+                def _():   # the scan's C and R: the CAS fails if C moved since
                     e0 = c0 + jnp.minimum(R - c0, seg_ref[j, sf["tau_max"]])
-                    ok = (c0 < total) & ((R - c0 >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > c0)))
+                    old = msync.compare_and_swap(at(claim, j), scr, c0, e0)
 
-                    @pl.when(ok)
+                    @pl.when(old == c0)
                     def _():
-                        old = msync.compare_and_swap(at(claim, j), scr, c0, e0)
-
-                        @pl.when(old == c0)
-                        def _():
-                            msync.fetch_add(at(claimed, rank), scr, e0 - c0)
-                            for h in range(B // _BQ):
-                                run_half(j, c0, e0, h)
+                        msync.fetch_add(at(claimed, rank), scr, e0 - c0)
+                        for h in range(B // _BQ):
+                            run_half(j, c0, e0, h)
 
                 got = msync.load_acquire(at(claimed, rank), scr)
-                return (got >= rank_total_ref[rank]).astype(jnp.int32)
+                # the next scan starts at this segment: it often has more tiles ready
+                return ((got >= rank_total_ref[rank]).astype(jnp.int32),
+                        jnp.where(j >= 0, j, cursor))
 
             if staged:
                 ci = c if peer_axis is None else rank_ref[0] * K + c
@@ -678,8 +702,10 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 def _(t):
                     for h in range(B // _BQ):
                         run_half(task_ref[t, 0], task_ref[t, 1], task_ref[t, 2], h, task_ref[t, 3])
-            else:
-                lax.while_loop(lambda d: d == 0, claim_step, jnp.int32(0))
+            else:   # the rank's K CTAs (index c // P within it) start evenly spread over its
+                # segments, so that they rarely meet
+                cursor0 = s0 + (c // P) * (s1 - s0) // K
+                lax.while_loop(lambda st: st[0] == 0, claim_step, (jnp.int32(0), cursor0))
 
         # K / V in two stages: tile i + 1 loads while tile i computes.
         pl.run_scoped(
