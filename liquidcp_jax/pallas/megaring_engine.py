@@ -25,8 +25,9 @@ runs the task as two 64-row halves: Q half by TMA, then per logical tile the loc
 mapped receive slot (K, V and the keys' sequence ids / positions by TMA), ``S = Q K^T`` (wgmma),
 the mask by sequence id (the segment's) and position, online softmax, ``P V`` (wgmma). The
 half's (out, LSE) is merged into the f32 running state under the (Q tile, half) lock (Eq. 1; the
-first merge, ``merged == 0``, initialises it) and the merge that brings ``merged`` to the Q
-tile's total writes the output rows. A CTA stops when its rank's claimed count reaches the rank's
+first merge, ``merged == 0``, initialises it without reading it) and the merge that brings
+``merged`` to the Q tile's total writes the output rows and the LSE but no f32 state (nothing
+reads it after). A CTA stops when its rank's claimed count reaches the rank's
 tile total. Deadlock freedom: the module docstring of ``engine_protocol`` (all CTAs resident:
 ``G`` at most the SM count and one CTA per SM by SMEM).
 
@@ -640,10 +641,13 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 else:
                     msync.lock_acquire(at(locks, u), scr)
                     prev = msync.load_acquire(at(merged, u), scr)
-                plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(drow, _BQ)], o_smem, sbar.at[0])
-                plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(drow, _BQ)], l_smem, sbar.at[1])
-                plgpu.barrier_wait(sbar.at[0])
-                plgpu.barrier_wait(sbar.at[1])
+                @pl.when(prev > 0)
+                def _():   # the first merge has no running state to read (o_old is masked)
+                    plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(drow, _BQ)], o_smem, sbar.at[0])
+                    plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(drow, _BQ)], l_smem, sbar.at[1])
+                    plgpu.barrier_wait(sbar.at[0])
+                    plgpu.barrier_wait(sbar.at[1])
+
                 o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
                 has_v = bcast(prev, (_BQ,), row_l) > 0
                 l_old = jnp.where(has_v, plgpu.load(l_smem, layout=row_l), -jnp.inf)
@@ -657,14 +661,23 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 o_new = (o_old * lax.broadcast_in_dim(w0 * inv, o_old.shape, [0])
                          + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
                 l_new = jnp.where(nz_, mu_ + jnp.log(jnp.where(nz_, tot, 1.0)), -jnp.inf)
-                o_smem[...] = o_new
-                l_smem[...] = l_new
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(drow, _BQ)])
-                plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(drow, _BQ)])
                 done_tiles = prev + (e0 - c0)
+                last = done_tiles == tile_total_ref[rank * n + a]
 
-                @pl.when(done_tiles == tile_total_ref[rank * n + a])
+                @pl.when(~last)
+                def _():   # the f32 running state is read only by a later merge
+                    o_smem[...] = o_new
+
+                l_smem[...] = l_new   # the LSE is an output
+                plgpu.commit_smem()
+
+                @pl.when(~last)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(drow, _BQ)])
+
+                plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(drow, _BQ)])
+
+                @pl.when(last)
                 def _():   # the last merge of this half writes the output rows
                     q_smem[...] = o_new.astype(dtype)
                     plgpu.commit_smem()
