@@ -548,14 +548,11 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 qrow = pl.multiple_of(rank * C + a * B + h * _BQ, 8)
                 # peer: this device's own rows (metadata tables stay stacked, indexed by qrow)
                 drow = qrow if peer_axis is None else pl.multiple_of(a * B + h * _BQ, 8)
+                # Q, its rows' ids / positions and the first K / V tile load together (the
+                # previous half left q_smem, qmeta and both K / V stages free)
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(drow, _BQ)], q_smem, qbar)
-                plgpu.barrier_wait(qbar)
                 plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(qrow, _BQ)], qmeta.at[0], mbar.at[0])
                 plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(qrow, _BQ)], qmeta.at[1], mbar.at[1])
-                plgpu.barrier_wait(mbar.at[0])
-                plgpu.barrier_wait(mbar.at[1])
-                qs = plgpu.load(qmeta.at[0], layout=row_l)
-                qp = plgpu.load(qmeta.at[1], layout=row_l)
 
                 def issue(i, st):
                     """TMA loads of logical tile ``i`` into stage ``st``: K, its keys' sequence
@@ -588,6 +585,12 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 @pl.when(e0 > c0)
                 def _():
                     issue(c0, 0)
+
+                plgpu.barrier_wait(qbar)
+                plgpu.barrier_wait(mbar.at[0])
+                plgpu.barrier_wait(mbar.at[1])
+                qs = plgpu.load(qmeta.at[0], layout=row_l)
+                qp = plgpu.load(qmeta.at[1], layout=row_l)
 
                 def tile(i, carry):
                     acc, m_i, l_i = carry
