@@ -13,13 +13,11 @@ descriptor tables; fixed capacities, so steps of one capacity bucket reuse one c
    rows, ``row = token * heads + head``, e.g. 16 tokens x 8 heads = 128 rows, against one split's
    range of the rank's history shard, TMA-loaded from the laid-out cache). Each writes its partial
    state (f32 out, natural-log LSE; 128 rows) to its slot of ``part_o`` / ``part_lse`` and then,
-   fused, if a reduction merges it, sets its own flag (one ``pl.get_global`` semaphore per slot
-   and 64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release
-   add);
-2. **reduction items**, after all of the CTA's attention tasks: merge the input partial states
-   in the tables' order (estimated finish first), each loaded (TMA into SMEM, double-buffered,
-   merged in registers) once its flag is set (``semaphore_wait(value=1, decrement=False)``), so
-   an item follows its splits as they finish instead of starting after the last; then write:
+   fused, adds 1 to its reduction item's counter (one ``pl.get_global`` semaphore per item and
+   64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release add);
+2. **reduction items**, after all of the CTA's attention tasks: wait until the item's counter
+   reaches its input count (``semaphore_wait(value=n_in, decrement=False)``), merge the input
+   partial states (TMA into SMEM, double-buffered, merged in registers) and write:
    with ``P = 1`` (``final``) the final output rows (chunk + every history split of one query
    tile: history and final reduction in one pass); with ``P > 1`` the reduced history state of a
    split query tile (the query all-gather before the kernel and the result all-to-all plus final
@@ -29,15 +27,15 @@ descriptor tables; fixed capacities, so steps of one capacity bucket reuse one c
 **Why it cannot deadlock.** Launches are not cooperative, so a spin-wait is safe only if the
 work it waits for can always run. (i) Attention tasks never wait on anything but their own CTA's
 TMA barriers. (ii) Every CTA's list runs all its attention tasks before any reduction, and only
-attention tasks set flags (reductions only wait), so a waited-for flag depends only on one
-attention task, which never waits. (iii) The grid is at most the SM count and at least one CTA
+attention tasks signal counters (reductions only wait), so a waited-for counter depends only on
+attention tasks, which never wait. (iii) The grid is at most the SM count and at least one CTA
 fits on an SM (SMEM ~225 KiB at ``D = 128``, ~115 KiB at 64; 384 threads), so every CTA is
 resident at once, or becomes resident as soon as a CTA of another kernel (which does not wait
 for ours) leaves its SM; a CTA of ours that spins holds its SM, but by (ii) the CTAs it waits
-for need nothing from it, and they hold or will get an SM of their own. Hence every flag is
-set. :func:`megadcp_engine_tables.simulate_protocol` checks (i)-(ii) and the exactly-once
-coverage of every (query, key) pair on the tables. Flags are zeroed by XLA before every launch
-(``pl.get_global``), so no epochs are needed.
+for need nothing from it, and they hold or will get an SM of their own. Hence every counter
+reaches its target. :func:`megadcp_engine_tables.simulate_protocol` checks
+(i)-(ii) and the exactly-once coverage of every (query, key) pair on the tables.
+Counters are zeroed by XLA before every launch (``pl.get_global``), so no epochs are needed.
 
 ``EngineConfig(fused=False)`` runs the same two phases as two launches with no semaphores (the
 attention launch, then the reduction launch): the stage-serialized structure of the vLLM FA3
@@ -77,7 +75,7 @@ class EngineConfig:
 
     ``block_kv``: keys per KV tile; ``max_concurrent_steps``: KV ring slots (2 at ``D = 128``:
     the f32 partial-state staging takes the third slot's SMEM); ``num_ctas``: grid size
-    (default: SM count); ``fused``: one launch with device-side flags (False: attention
+    (default: SM count); ``fused``: one launch with device-side counters (False: attention
     launch + reduction launch, no semaphores); ``profile_dir``: calibration mode (fused only):
     each warpgroup records its ``attention`` and ``reduction`` regions with Mosaic GPU's
     on-device profiler, and a Chrome trace is written into this directory after each launch
@@ -215,10 +213,12 @@ def _attention_phase(cx_static, refs, bars, sems):
                 plgpu.copy_smem_to_gmem(o_smem, po_ref.at[slot, pl.ds(r0, _BQ)])
                 plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
                 if sems is not None:
-                    @pl.when(get("signal") >= 0)
-                    def _():   # a reduction merges it: publish it on its own (slot, half) flag
-                        plgpu.wait_smem_to_gmem(0)   # the partial state is in GMEM
-                        plgpu.semaphore_signal(sems.at[2 * slot + wg], 1, memory_scope="gpu")
+                    sig = get("signal")
+
+                    @pl.when(sig >= 0)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0)   # the partial state is in GMEM: publish it
+                        plgpu.semaphore_signal(sems.at[2 * sig + wg], 1, memory_scope="gpu")
                 return c0 + n_tiles
 
             lax.fori_loop(a0, a1, run, jnp.int32(0))
@@ -298,12 +298,12 @@ def _reduction_phase(d, dtype, final, refs, in_bar, sems):
                 get = lambda name: red_ref[i, fr[name]]  # noqa: E731
                 n_in, start = get("n_in"), get("in_start")
                 if sems is not None:
-                    with jax.named_scope(prof_lib.RED_WAIT):   # profiled: until input 0 is stored
-                        _wait_input(sems, red_in_ref[start], wg)
-                with jax.named_scope(prof_lib.RED_MERGE):   # profiled: the rest of the item
+                    with jax.named_scope(prof_lib.RED_WAIT):   # profiled: waiting for inputs
+                        plgpu.semaphore_wait(sems.at[2 * get("counter") + wg], n_in,
+                                             decrement=False, memory_scope="gpu")
+                with jax.named_scope(prof_lib.RED_MERGE):   # profiled: loads, merge, store
                     _merge_item(d, dtype, final, get, red_in_ref, po_ref, pl_ref, out_refs,
-                                (in_o, in_l, st_o, st_l), in_bar, wg, r0, row_l, n_in, start,
-                                sems)
+                                (in_o, in_l, st_o, st_l), in_bar, wg, r0, row_l, n_in, start)
                 return 0
 
             lax.fori_loop(u0, u1, item, 0)
@@ -318,26 +318,15 @@ def _reduction_phase(d, dtype, final, refs, in_bar, sems):
         collective_axes="wg")
 
 
-def _wait_input(sems, s, wg):
-    """Until the attention task of slot ``s`` has stored its half ``wg`` (fused engine)."""
-    plgpu.semaphore_wait(sems.at[2 * s + wg], 1, decrement=False, memory_scope="gpu")
-
-
 def _merge_item(d, dtype, final, get, red_in_ref, po_ref, pl_ref, out_refs, smem, in_bar, wg, r0,
-                row_l, n_in, start, sems=None):
+                row_l, n_in, start):
     """One reduction item's merge on warpgroup ``wg``'s 64-row half: its ``n_in`` partial
-    states, two in flight (TMA into SMEM), merged in registers, then stored. Fused
-    (``sems``): each input is loaded once its own task has stored it (input 0 was waited for by
-    the caller), so the merge follows the splits as they finish (the tables order an item's
-    inputs by estimated finish) and what remains after the last split is one load and two
-    merges."""
+    states, two in flight (TMA into SMEM), merged in registers, then stored."""
     in_o, in_l, st_o, st_l = smem
 
     def issue(k):
         b = lax.rem(k, 2)
         s = red_in_ref[start + k]
-        if sems is not None:
-            pl.when(k > 0)(lambda: _wait_input(sems, s, wg))
         plgpu.commit_smem()   # every thread finished reading the buffer we refill
         plgpu.copy_gmem_to_smem(po_ref.at[s, pl.ds(r0, _BQ)], in_o.at[wg, b],
                                 in_bar.at[2 * wg + b])
@@ -425,11 +414,9 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
         def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *outs):
             res_refs, (po_ref, pl_ref) = outs[:len(res_types)], outs[len(res_types):]
             # The interpreter has no semaphores and runs CTAs one after another: there the fused
-            # kernel runs without flags (correct only when every reduction's inputs come
+            # kernel runs without counters (correct only when every reduction's inputs come
             # from earlier CTAs, e.g. num_ctas=1; tests use it to check the one-launch kernel).
-            # one flag per (attention slot, 64-row half): set once the task's partial state is
-            # stored, waited for by the reduction that merges it
-            sems = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((2 * A_cap,)))
+            sems = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((2 * U_cap,)))
 
             def scoped(bars, in_bar):
                 # The named regions are what the profiler records (calibration mode).

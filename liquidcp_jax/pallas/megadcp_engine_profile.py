@@ -14,10 +14,9 @@ The model's quantities, per CTA (compute warpgroups 0 and 1; the producer warpgr
   the CTA's release to its last reduction, waits for inputs included (as the model counts them).
 
 Inside ``reduction`` the fused engine records two regions per reduction item, ``red_wait`` (until
-its first input is stored) and ``red_merge`` (the rest: each later input's wait, loads, merges and
-the store): :func:`reduction_items_from_trace` reads them per item and :func:`merge_cost_fit`
-fits ``red_merge`` against the item's input count, which says whether a step's reductions wait
-for attention or merge slowly.
+its inputs' counters are complete) and ``red_merge`` (its loads, merge and store):
+:func:`reduction_items_from_trace` reads them per item and :func:`merge_cost_fit` fits what a
+merged partial state costs, which says whether a step's reductions wait for attention or merge.
 """
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ from typing import Sequence
 import numpy as np
 
 ATTENTION, REDUCTION = "attention", "reduction"   # the engine's named regions
-# Inside ``reduction``, per reduction item: the wait for its first input, then the rest of it
-# (later inputs' waits, loads, merges, the store); the fused engine's two regions per item.
+# Inside ``reduction``, per reduction item: the wait for its inputs' counters, then its merge
+# (loads, merge, store); the fused engine's two regions per item.
 RED_WAIT, RED_MERGE = "red_wait", "red_merge"
 COMPUTE_WARPGROUPS = (0, 1)
 NUM_WARPGROUPS = 3
@@ -135,9 +134,9 @@ def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: f
     """Per reduction item of the fused engine, in each CTA's order (CTA 0's items first, as in
     the tables' CTA-major ``red``): ``(cta, wait_us, merge_us)``, each ``[items]``.
 
-    ``wait_us`` is the time the item waited for its first input, ``merge_us`` the rest of it
-    (later inputs' waits, loads, merges, the store); each the longer of the two compute
-    warpgroups' (each merges a 64-row half). ``items_per_cta[c]``: the items CTA ``c`` ran (``diff(tables.cta_off[1])``); a CTA
+    ``wait_us`` is the time the item waited for its inputs' counters, ``merge_us`` its loads,
+    merge and store; each the longer of the two compute warpgroups' (each merges a 64-row
+    half). ``items_per_cta[c]``: the items CTA ``c`` ran (``diff(tables.cta_off[1])``); a CTA
     whose trace holds another number of items is an error.
     """
     if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):

@@ -8,10 +8,9 @@ tasks, history tasks (critical-wave queue order) and per-rank KV ranges. The eng
 * attention tasks (queue order: chunk tasks, then history tasks): a 128-row Q tile against a
   contiguous key range of one KV array (the step's new KV, causal; or the rank's laid-out
   history shard), writing its partial state (f32 out and natural-log LSE, 128 rows) to slot
-  ``slot`` and, in the fused engine, if reduction item ``signal`` merges it, setting its own flag
-  (one per slot and 64-row half);
-* reduction items: merge the partial states of ``n_in`` slots (``red_in[in_start:...]``, in
-  order of their tasks' estimated finish; the fused engine loads each once its flag is set) and
+  ``slot`` and, in the fused engine, adding 1 to counter ``signal`` (one counter per reduction
+  item and 64-row half);
+* reduction items: merge the partial states of ``n_in`` slots (``red_in[in_start:...]``) and
   write the result: with ``final`` (``P = 1``) the output rows ``[dst_row, dst_row + n_rows)``
   of ``out`` (chunk + every history split of one query tile); otherwise (``P > 1``) the
   reduced history state of one split query tile to reduction slot ``dst_row``.
@@ -42,15 +41,14 @@ ATTN_FIELDS = (
     "full_lo",  # tiles [full_lo, full_hi) need no mask
     "full_hi",
     "slot",     # partial-state slot written
-    "signal",   # reduction item that merges this task's state (-1: none); fused: the task then
-                # sets its own (slot, half) flag
+    "signal",   # reduction item whose counters this task increments (-1: none)
 )
 RED_FIELDS = (
     "n_in",     # partial states merged
     "in_start", # into red_in
     "dst_row",  # final: first output row; state: reduction slot
     "n_rows",   # valid rows (final: rows stored)
-    "counter",  # the item's id: the tasks it merges have signal == counter
+    "counter",  # counters 2 * counter + half reach n_in when every input is stored
 )
 FA = {n: i for i, n in enumerate(ATTN_FIELDS)}
 FR = {n: i for i, n in enumerate(RED_FIELDS)}
@@ -379,9 +377,6 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
     loads = np.zeros(G)
     # queue order: least-loaded CTA first (ties: lowest index)
     cta_of, finish = greedy(cols["n_tiles"] + ATTN_OVERHEAD, loads)
-    # an item merges its inputs as they are stored: in order of estimated finish (stable)
-    by_fin = np.lexsort((finish[m_slot], m_grp))
-    m_slot, m_grp = m_slot[by_fin], m_grp[by_fin]
     ready = np.zeros(U)
     np.maximum.at(ready, m_grp, finish[m_slot])
     by_ready = np.argsort(ready, kind="stable")
@@ -435,10 +430,9 @@ def simulate_protocol(plan: EnginePlan, t=None, rank: int = 0) -> dict:
 
     * every attention task and reduction item is in exactly one CTA's list, and within each CTA
       attention rows (which never wait) precede reduction rows;
-    * only attention tasks set flags, and a reduction's inputs are exactly the tasks whose
-      ``signal`` names it; so every wait is on work that never waits, and a round-robin run of
-      all CTAs (any CTA may be stalled; a reduction runs once all its inputs are stored)
-      terminates;
+    * only attention tasks signal counters, and each counter's target (``n_in``, per half)
+      equals the number of attention tasks that signal it; so every wait is on work that never
+      waits, and a round-robin run of all CTAs (any CTA may be stalled) terminates;
     * with the planner's tables ``t``: every valid (query row, key) pair of the rank is covered
       by exactly one input of exactly one output row (chunk keys causally, history keys of the
       rank's shard), and reduction inputs are exactly the tasks signalling their counter.
