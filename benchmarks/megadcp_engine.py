@@ -522,6 +522,33 @@ def sm_clock_ghz():
         return None
 
 
+def calibration_record(trace, plan, t, num_ctas: int, clock: float):
+    """What one profiled launch of ``plan`` (the tables of ``t``) says: ``(row fields, the input
+    of ``liquidcp calibrate``, (attention busy, reduction busy, history tiles, splits, the other
+    model inputs))``. The per-item reduction figures (each item's wait for its inputs and its
+    merge, fitted against its input count) are a diagnosis: if they cannot be read, the row says
+    why and the busy times still count."""
+    attn, red = prof.busy_from_trace(trace, num_ctas, clock)
+    fields = {"attention_busy_us_mean": float(attn.mean()),
+              "attention_busy_us_max": float(attn.max()),
+              "reduction_busy_us_mean": float(red.mean())}
+    tb = plan.tables
+    try:
+        cta, wait, merge = prof.reduction_items_from_trace(trace, np.diff(tb.cta_off[1]), clock)
+        n_in = tb.red[:len(cta), et.FR["n_in"]]
+        fields.update(
+            reduction_wait_us_mean=float(wait.mean()) if wait.size else None,
+            merge_fit=prof.merge_cost_fit(n_in, merge) if merge.size else None,
+            reduction_items={"cta": cta.tolist(), "n_in": n_in.tolist(),
+                             "wait_us": wait.round(3).tolist(), "merge_us": merge.round(3).tolist()})
+    except ValueError as e:
+        fields["reduction_items_error"] = str(e)
+    inp = prof.model_inputs(t)
+    tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
+    cin = prof.calibration_input(attn, red, tiles, splits, num_ctas, **inp)
+    return fields, cin, (attn, red, tiles, splits, inp)
+
+
 def calibration(a, argv):
     """Profiles the fused engine on decode-only batches and fits ``critical_wave.Params``."""
     import shutil
@@ -539,7 +566,10 @@ def calibration(a, argv):
     rng = np.random.default_rng(0)
     hq = 8
     for b in range(a.calibration_batches):
-        hist, ql = synthetic(2 * G, 2 * G * 8192, 100 + b)   # ~2 requests per CTA, ~2M tokens
+        # ~2M history tokens; even batches ~2 requests per CTA (2-4 splits each), odd ones a
+        # quarter request per CTA (2-12 splits): merges of many sizes for the per-item fit
+        n_req = 2 * G if b % 2 == 0 else max(G // 4, 1)
+        hist, ql = synthetic(n_req, 2 * G * 8192, 100 + b)
         t = build_tables(hist, ql, 1, hq)
         plan = et.pack_engine(t, 0, num_ctas=G)
         shutil.rmtree(pdir, ignore_errors=True)
@@ -555,41 +585,28 @@ def calibration(a, argv):
             os.remove(os.path.join(pdir, p))
         jax.block_until_ready(f(*args))        # the profiled run
         clock = a.clock_ghz or sm_clock_ghz() or 1.98
-        trace = prof.latest_trace(pdir)
-        attn, red = prof.busy_from_trace(trace, G, clock)
-        # per reduction item: its wait for inputs and its merge, against its input count
-        tb = plan.tables
-        cta, wait, merge = prof.reduction_items_from_trace(trace, np.diff(tb.cta_off[1]), clock)
-        n_in = tb.red[:len(cta), et.FR["n_in"]]
-        items = {"cta": cta.tolist(), "n_in": n_in.tolist(), "wait_us": wait.round(3).tolist(),
-                 "merge_us": merge.round(3).tolist()}
-        inp = prof.model_inputs(t)
-        tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
-        cin = prof.calibration_input(attn, red, tiles, splits, G, **inp)
+        fields, cin, (attn, red, tiles, splits, inp) = calibration_record(
+            prof.latest_trace(pdir), plan, t, G, clock)
         path = os.path.join(os.path.dirname(os.path.abspath(a.out)),
                             f"megadcp_calibration_input{b}.json")
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(cin, fh)
         row = {"case": f"calibration{b}", "requests": len(hist), "history_tokens": int(sum(hist)),
-               "clock_ghz": clock, "attention_busy_us_mean": float(attn.mean()),
-               "attention_busy_us_max": float(attn.max()),
-               "reduction_busy_us_mean": float(red.mean()),
-               "reduction_wait_us_mean": float(wait.mean()) if wait.size else None,
-               "merge_fit": prof.merge_cost_fit(n_in, merge) if merge.size else None,
-               "reduction_items": items, "calibrate_input": cin}
+               "clock_ghz": clock, **fields, "calibrate_input": cin}
         msg = ""
         if a.fit:   # minutes of host time: on the device machine, rather fit the inputs later
             t0 = time.perf_counter()
             params, rmse = cal.calibrate(attn, red, tiles, splits, num_ctas=G, **inp)
-            fields = ("rho", "delta_attn", "delta_red", "gamma", "time_unit_us")
-            row.update(params={k: getattr(params, k) for k in fields}, rmse_us=rmse,
+            names = ("rho", "delta_attn", "delta_red", "gamma", "time_unit_us")
+            row.update(params={k: getattr(params, k) for k in names}, rmse_us=rmse,
                        fit_s=time.perf_counter() - t0)
             msg = f", fit {row['params']}, RMSE {rmse}"
         report.add(row)
+        items = row.get("reduction_items_error") or (
+            f"wait {row['reduction_wait_us_mean']} us mean, merge fit {row['merge_fit']}")
         print(f"calibration{b}: {len(hist)} requests, clock {clock:.2f} GHz, attention busy "
-              f"{attn.mean():.1f} us mean / {attn.max():.1f} max; reduction items: wait "
-              f"{row['reduction_wait_us_mean']} us mean, merge fit {row['merge_fit']}; wrote {path} "
-              f"(liquidcp calibrate {os.path.basename(path)}){msg}", flush=True)
+              f"{attn.mean():.1f} us mean / {attn.max():.1f} max; reduction items: {items}; "
+              f"wrote {path} (liquidcp calibrate {os.path.basename(path)}){msg}", flush=True)
     return 0
 
 

@@ -211,3 +211,43 @@ def test_merge_cost_fit():
     assert same["per_input_us"] is None and same["mean_us"] == 2.0
     with pytest.raises(ValueError, match="non-empty and of one length"):
         prof.merge_cost_fit([1, 2], [1.0])
+
+
+def test_calibration_record_from_a_trace():
+    """``--calibrate``'s reading of one profiled launch, on a trace laid out as the engine records
+    it for a packed plan's lists: busy times, per-item merges matched to the tables' input counts
+    (merge time linear in them here), and a clear note instead of a crash when the items cannot
+    be read."""
+    from benchmarks import megadcp_engine as bench
+    hist = np.random.default_rng(3).integers(3000, 40000, 10).tolist()
+    t = build_tables(hist, [16] * 10, 1, 8)
+    G = 6
+    plan = et.pack_engine(t, 0, num_ctas=G)
+    tb = plan.tables
+    items = np.diff(tb.cta_off[1])
+    n_in = tb.red[:items.sum(), et.FR["n_in"]]
+    events, k = {}, 0
+    for c in range(G):
+        for wg in (0, 1):
+            ev = [("attention", "B", 5), ("attention", "E", 50000 + 1000 * c),
+                  ("reduction", "B", 50020 + 1000 * c)]
+            tt = 50020 + 1000 * c
+            for j in range(k, k + items[c]):
+                ev += [("red_wait", "B", tt + 20), ("red_wait", "E", tt + 520),
+                       ("red_merge", "B", tt + 540), ("red_merge", "E", tt + 540 + 3000 * int(n_in[j]))]
+                tt += 540 + 3000 * int(n_in[j])
+            ev.append(("reduction", "E", tt + 20))
+            events[(c, wg)] = ev
+        k += items[c]
+    trace = _trace(events)
+    fields, cin, (attn, red, tiles, splits, inp) = bench.calibration_record(trace, plan, t, G, 2.0)
+    assert fields["reduction_items"]["n_in"] == n_in.tolist()
+    assert len(cin["attention_busy_us"]) == G and (attn > 0).all()
+    if np.unique(n_in).size > 1:
+        assert fields["merge_fit"]["per_input_us"] == pytest.approx(1.5, rel=1e-3)
+    # a trace without the item regions still gives the busy times, and says why the items lack
+    bare = _trace({key: [e for e in ev if e[0] in ("attention", "reduction")]
+                   for key, ev in events.items()})
+    fields2, _, (attn2, _, _, _, _) = bench.calibration_record(bare, plan, t, G, 2.0)
+    assert "reduction items" in fields2["reduction_items_error"]
+    np.testing.assert_allclose(attn2, attn)
