@@ -659,10 +659,10 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
         while True:
             j, loads = eligible(d, cursor, known)
             stats["scan_loads"] += loads
+            # the kernel claims with what its scan read: C and R of segment j then
+            c0, R = (int(claimed[j]), int(ready(j))) if j >= 0 else (0, 0)
             if cfg.scan_time:
                 yield ("sleep", cfg.scan_time * loads, False)
-                if j >= 0 and not claimable(j):
-                    continue   # claimed by another CTA while this one scanned: scan again
             if j < 0:
                 if all_claimed(d):
                     return
@@ -670,9 +670,10 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
                        f"rank {d} compute: no segment has R - C >= tau_min")
                 continue
             if cursor is not None:
-                cursor = j
+                cursor = j                        # next scan starts here, claimed or not
+            if claimed[j] != c0:
+                continue   # the CAS on C fails: another CTA claimed while this one scanned
             r = sg[j]
-            c0, R = int(claimed[j]), int(ready(j))
             e0 = c0 + min(R - c0, int(r[SF["tau_max"]]))
             claimed[j] = e0                       # the claim (a CAS on C in the kernel)
             claims.append((j, c0, e0, R))

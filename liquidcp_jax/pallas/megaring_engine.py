@@ -77,6 +77,9 @@ from liquidcp_jax.pallas.common import SMEM_LIMIT, aligned, interpret_params
 from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, PeerTransport, RingGeometry
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# The fused forward's claim-scan flags take 4 bytes of SMEM per Q segment of a rank; the kernel
+# uses ~184 KiB of the 227 at B = D = 128 (plans of 128K tokens have ~300 segments per rank).
+_MAX_RANK_SEGMENTS = 8192
 
 
 def relay_tile(k, rows_ref, i, src_ref, recv_ref, buf, bar, B: int):
@@ -792,6 +795,11 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
         raise ValueError(f"ctas_per_rank={ctas_per_rank}: {geom.num_ranks} ranks x {ctas_per_rank} "
                          f"CTAs exceed the {num_sms()} SMs; the engine's spin waits need every CTA "
                          f"resident (one per SM)")
+    seg_cap = max(1, int(np.diff(tb.seg_off).max()))
+    if seg_cap > _MAX_RANK_SEGMENTS:   # the scan's SMEM flags: one int32 per segment of a rank
+        raise ValueError(f"tb: a rank has {seg_cap} Q segments; the fused forward's claim scan "
+                         f"keeps at most {_MAX_RANK_SEGMENTS} flags in SMEM (use larger tiles or "
+                         f"the staged forward)")
     t = forward_tables(tb, geom)
     nx = int(t["off"][-1])
     if delay_ns is None:
@@ -805,7 +813,7 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                           float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                          max(len(tb.seg), 1), seg_cap=max(1, int(np.diff(tb.seg_off).max())))
+                          max(len(tb.seg), 1), seg_cap=seg_cap)
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
 
