@@ -203,15 +203,15 @@ def test_coalescing_reduces_tasks():
     assert max(res["tiles_per_task"]) <= int(tb.seg[:, ep.SF["tau_max"]].max())
 
 
-@pytest.mark.parametrize("scan,remember", [("cursor", True), ("cursor", False), ("all", False)])
-def test_scans_cover_every_pair_once(rng, scan, remember):
+@pytest.mark.parametrize("scan", ["cursor", "all"])
+def test_scans_cover_every_pair_once(rng, scan):
     """Both scan policies (the kernel's cursor scan and the old scan of every segment) claim
     every tile exactly once and give the float64 result, with scans that cost time."""
     tb = _tables(*CASES[0], causal=True, task_tiles=4, comm=1)
     P, C = tb.num_ranks, tb.tiles * tb.tile_size
     q, k, v = (rng.standard_normal((P * C, 8)) for _ in range(3))
     res = ep.simulate(tb, ep.SimConfig(ctas_per_rank=3, delay="random", scan=scan, scan_time=0.2,
-                                       remember_exhausted=remember, seed=1), qkv=(q, k, v))
+                                       seed=1), qkv=(q, k, v))
     assert res["tiles"] == ep.one_tile_tasks(tb)
     np.testing.assert_array_equal(res["pair_count"], ep.valid_pairs(tb))
     ok = tb.tok_seq.reshape(-1) >= 0
@@ -232,13 +232,8 @@ def test_cursor_scan_loads_fewer_counters():
         for t in (0.0, 0.2):
             got[scan, t] = ep.simulate(tb, ep.SimConfig(ctas_per_rank=16, transfer_time=0.5,
                                                         scan=scan, scan_time=t, seed=0))
-    got["forget"] = ep.simulate(tb, ep.SimConfig(ctas_per_rank=16, transfer_time=0.5,
-                                                 scan_time=0.2, remember_exhausted=False, seed=0))
     assert got["cursor", 0.0]["scan_loads_per_claim"] * 10 < got["all", 0.0]["scan_loads_per_claim"]
     assert got["cursor", 0.2]["time"] * 5 < got["all", 0.2]["time"]
-    # remembering fully claimed segments (the kernel's SMEM flags) saves loads and time
-    assert got["cursor", 0.2]["scan_loads_per_claim"] < got["forget"]["scan_loads_per_claim"]
-    assert got["cursor", 0.2]["time"] < got["forget"]["time"]
     for r in got.values():
         assert r["tiles"] == ep.one_tile_tasks(tb)
 
@@ -266,8 +261,6 @@ def test_validation():
         ep.SimConfig(scan="first")
     with pytest.raises(ValueError, match="scan_time"):
         ep.SimConfig(scan_time=-1.0)
-    with pytest.raises(ValueError, match="remember_exhausted"):
-        ep.SimConfig(remember_exhausted=1)
     with pytest.raises(ValueError, match="comm_per_rank"):
         ep.cta_roles(4, 1, 2)
 

@@ -337,9 +337,9 @@ class SimConfig:
     around them and stopping at the first claimable one) or "all" (every segment of the rank each
     time, the first claimable in rank order: the kernel before 2026-12-06); ``scan_time``: the
     cost of one acquire load of a scan (a segment's claim counter; for one not fully claimed
-    also its stream's two published counts), not counted as busy; ``remember_exhausted``
-    (cursor scan): a CTA skips, without a load, the segments it has seen fully claimed (the
-    kernel's flags in SMEM).
+    also its stream's two published counts), not counted as busy. With a scan cost, a CTA claims
+    with the C and R its scan read, and its claim fails (as the kernel's CAS) if another CTA
+    claimed the segment meanwhile.
     """
 
     ctas_per_rank: int = 2
@@ -355,7 +355,6 @@ class SimConfig:
     order: str = "comm_first"
     scan: str = "cursor"
     scan_time: float = 0.0
-    remember_exhausted: bool = True
 
     def __post_init__(self):
         _check_int("ctas_per_rank", self.ctas_per_rank)
@@ -366,8 +365,6 @@ class SimConfig:
             raise ValueError(f"delay must be 'none', 'random', 'reverse' or 'heavy'; got {self.delay!r}")
         if self.order not in ("comm_first", "compute_first"):
             raise ValueError(f"order must be 'comm_first' or 'compute_first'; got {self.order!r}")
-        if not isinstance(self.remember_exhausted, bool):
-            raise ValueError(f"remember_exhausted must be a bool; got {self.remember_exhausted!r}")
         if self.scan not in ("cursor", "all"):
             raise ValueError(f"scan must be 'cursor' or 'all'; got {self.scan!r}")
         for name in ("transfer_time", "delay_scale", "start_jitter", "task_overhead", "merge_time",
@@ -620,13 +617,12 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
         R = ready(j)
         return R - c0 >= r[SF["tau_min"]] or (R == total and R > c0)
 
-    def eligible(d, start=None, known=None):
+    def eligible(d, start=None):
         """``(j, loads)``: the claimable segment of rank ``d`` a scan finds, -1 if none, and the
         acquire loads it takes. ``start`` (``SimConfig.scan == "cursor"``): from ``start``,
         wrapping around, stopping at the first claimable segment, one load for a fully claimed
-        segment and three for another, none for one in ``known`` (the segments this CTA has
-        seen fully claimed, which it adds to); ``None`` ("all"): every segment, three loads
-        each, the first claimable in rank order."""
+        segment and three for another; ``None`` ("all"): every segment, three loads each, the
+        first claimable in rank order."""
         s0, S = seg_start[d], seg_end[d] - seg_start[d]
         if start is None:
             found = next((j for j in range(s0, s0 + S) if claimable(j)), -1)
@@ -634,13 +630,9 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
         loads = 0
         for k in range(S):
             j = s0 + (start - s0 + k) % S
-            if known is not None and j in known:
-                continue   # seen fully claimed before: no load (claims only grow)
             r = sg[j]
             if claimed[j] >= r[SF["n_local"]] + r[SF["n_remote"]]:
                 loads += 1
-                if known is not None:
-                    known.add(j)
                 continue
             loads += 3
             if claimable(j):
@@ -653,11 +645,10 @@ def simulate(tb: EngineTables, config: SimConfig = SimConfig(), qkv=None, scale:
 
     def compute(d, idx):
         S = seg_end[d] - seg_start[d]
-        known = set() if (cfg.scan == "cursor" and cfg.remember_exhausted) else None
         # CTAs of a rank start evenly spread over its segments, so they rarely meet
         cursor = (seg_start[d] + idx * S // cfg.ctas_per_rank) if (cfg.scan == "cursor" and S) else None
         while True:
-            j, loads = eligible(d, cursor, known)
+            j, loads = eligible(d, cursor)
             stats["scan_loads"] += loads
             # the kernel claims with what its scan read: C and R of segment j then
             c0, R = (int(claimed[j]), int(ready(j))) if j >= 0 else (0, 0)

@@ -17,9 +17,9 @@ their rank, the others compute from the start. A compute CTA repeatedly scans it
 segments for one with ``R - C >= tau_min`` (or a final remainder; ``R`` from the published stream
 prefix with the front-half barrier, exactly :mod:`~liquidcp_jax.megaring.engine_protocol`'s
 rule), starting at the segment it last claimed (first: the rank's CTAs evenly spread over its
-segments), skipping segments it has seen fully claimed (SMEM flags) and stopping at the first
-claimable one, since every segment examined costs acquire loads (the scan of every segment per
-claim it replaced took 70-700x the loads in the protocol model, 2026-12-06),
+segments) and stopping at the first claimable one, since every segment examined costs acquire
+loads (the scan of every segment per claim it replaced took 200-2000x the loads per claim in the
+protocol model, 2026-12-06),
 claims ``[C, E)`` with a CAS on ``C``, adds the width to the rank's claimed count, and
 runs the task as two 64-row halves: Q half by TMA, then per logical tile the local tile or the
 mapped receive slot (K, V and the keys' sequence ids / positions by TMA), ``S = Q K^T`` (wgmma),
@@ -77,9 +77,6 @@ from liquidcp_jax.pallas.common import SMEM_LIMIT, aligned, interpret_params
 from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, PeerTransport, RingGeometry
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-# The fused forward's claim-scan flags take 4 bytes of SMEM per Q segment of a rank; the kernel
-# uses ~184 KiB of the 227 at B = D = 128 (plans of 128K tokens have ~300 segments per rank).
-_MAX_RANK_SEGMENTS = 8192
 
 
 def relay_tile(k, rows_ref, i, src_ref, recv_ref, buf, bar, B: int):
@@ -392,7 +389,7 @@ _FWD_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_lo
 @functools.lru_cache(maxsize=16)
 def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype_name: str,
                    scale: float, n_streams: int, map_size: int, n_seg: int, staged: bool = False,
-                   interpret: bool = False, peer_axis: str | None = None, seg_cap: int = 1):
+                   interpret: bool = False, peer_axis: str | None = None):
     """The forward compute launch. Fused: ``G = P * K`` CTAs, CTAs ``0 .. P*W - 1`` are workers
     (their transfers with inserts, then compute), the rest compute; claims, locks and counters
     on the device. Staged (``K`` = the grid): static task lists ``(segment, C, E, merged
@@ -442,7 +439,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             return plgpu.layout_cast(lax.broadcast_in_dim(x, shape, ()), layout)
 
         def scoped(xbar, scr, q_smem, k_smem, v_smem, o_smem, l_smem, kbar, vbar, qbar,
-                   qmeta, kmeta, mbar, sbar, p_smem, gone):
+                   qmeta, kmeta, mbar, sbar, p_smem):
             def communicate():
                 """Workers only: transfers in host order, then inserts."""
                 cw = jnp.minimum(c, P * W - 1)
@@ -506,9 +503,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             def scan(cursor):
                 """``(j, C, R)``: the first claimable segment of the rank from ``cursor`` on
                 (wrapping around), -1 if none. A fully claimed segment costs one acquire load,
-                the others three (its claim and its stream's published prefix), one this CTA
-                has seen fully claimed none (its flag in SMEM); the scan stops at the first
-                claimable one (each acquire load is a round trip to L2)."""
+                the others three (its claim and its stream's published prefix); the scan stops
+                at the first claimable one (each acquire load is a round trip to L2)."""
                 S = s1 - s0
 
                 def cond(st):
@@ -517,20 +513,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 def body(st):
                     k = st[0]
                     j = s0 + lax.rem(cursor - s0 + k, jnp.maximum(S, 1))
-
-                    def look():
-                        cj = msync.load_acquire(at(claim, j), scr)
-                        full = cj >= total_of(j)
-
-                        @pl.when(full)
-                        def _():   # claims only grow: never load this segment's counters again
-                            gone[j - s0] = jnp.int32(1)
-
-                        return cj, lax.cond(full, lambda: jnp.int32(0), lambda: ready(j))
-
-                    # every thread of the warpgroup stores each flag itself, right after the
-                    # load that all of them passed (barriers), so all read the same flags
-                    cj, R = lax.cond(gone[j - s0] != 0, lambda: (total_of(j), jnp.int32(0)), look)
+                    cj = msync.load_acquire(at(claim, j), scr)
+                    R = lax.cond(cj < total_of(j), lambda: ready(j), lambda: jnp.int32(0))
                     ok = claimable(j, cj, R)
                     return (k + 1, jnp.where(ok, j, -1), cj, R)
 
@@ -737,11 +721,6 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             else:   # the rank's K CTAs (index c // P within it) start evenly spread over its
                 # segments, so that they rarely meet
                 cursor0 = s0 + (c // P) * (s1 - s0) // K
-
-                @pl.loop(0, seg_cap)
-                def _(i):   # no segment seen fully claimed yet
-                    gone[i] = jnp.int32(0)
-
                 lax.while_loop(lambda st: st[0] == 0, claim_step, (jnp.int32(0), cursor0))
 
         # K / V in two stages: tile i + 1 loads while tile i computes.
@@ -754,8 +733,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
             plgpu.Barrier(num_barriers=2), plgpu.Barrier(),
             plgpu.SMEM((2, _BQ), jnp.int32), plgpu.SMEM((2, 2, B), jnp.int32),
             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
-            plgpu.SMEM((_BQ, B), dtype, transforms=tf) if interpret else None,
-            None if staged else plgpu.SMEM((max(int(seg_cap), 1),), jnp.int32))
+            plgpu.SMEM((_BQ, B), dtype, transforms=tf) if interpret else None)
 
     causal_flag = True
     if peer_axis is not None and not staged:
@@ -795,11 +773,6 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
         raise ValueError(f"ctas_per_rank={ctas_per_rank}: {geom.num_ranks} ranks x {ctas_per_rank} "
                          f"CTAs exceed the {num_sms()} SMs; the engine's spin waits need every CTA "
                          f"resident (one per SM)")
-    seg_cap = max(1, int(np.diff(tb.seg_off).max()))
-    if seg_cap > _MAX_RANK_SEGMENTS:   # the scan's SMEM flags: one int32 per segment of a rank
-        raise ValueError(f"tb: a rank has {seg_cap} Q segments; the fused forward's claim scan "
-                         f"keeps at most {_MAX_RANK_SEGMENTS} flags in SMEM (use larger tiles or "
-                         f"the staged forward)")
     t = forward_tables(tb, geom)
     nx = int(t["off"][-1])
     if delay_ns is None:
@@ -813,7 +786,7 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                           float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                          max(len(tb.seg), 1), seg_cap=seg_cap)
+                          max(len(tb.seg), 1))
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
 
