@@ -46,21 +46,28 @@ def test_profiled_engine_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
         eng.EngineConfig(profile_dir="")
 
 
-def _device_buffer(spec, regions, start_ns=1000):
+def _events_buffer(spec, events, start_ns=1000):
     """The profiler's GMEM buffer as the device leaves it: per (CTA, warpgroup) a header (start
-    time, SM id, entries used) then (tag, %clock) pairs. ``regions[(cta, wg)]``: list of
-    (name, enter_cycle, exit_cycle), in order."""
-    G = 1 + max(c for c, _ in regions)
-    n = spec.entries_per_warpgroup
-    buf = np.zeros((G, prof.NUM_WARPGROUPS, n), np.uint32)
-    for (c, wg), regs in regions.items():
+    time, SM id, entries used) then (tag, %clock) pairs. ``events[(cta, wg)]`` lists
+    ``(name, "B" or "E", cycle)`` in the order the device records them (regions may nest)."""
+    G = 1 + max(c for c, _ in events)
+    buf = np.zeros((G, prof.NUM_WARPGROUPS, spec.entries_per_warpgroup), np.uint32)
+    for (c, wg), evs in events.items():
         ev = []
-        for name, a, b in regs:
-            i = spec.intern_name(name)
-            ev += [spec.ENTER | i, a, spec.EXIT | i, b]
+        for name, ph, t in evs:
+            ev += [(spec.ENTER if ph == "B" else spec.EXIT) | spec.intern_name(name), t]
         buf[c, wg, :3] = (start_ns + 7 * c, c, len(ev))
         buf[c, wg, 3:3 + len(ev)] = ev
     return buf.reshape(-1), G
+
+
+def _trace(events):
+    """The Chrome trace Mosaic GPU's ``ProfilerSpec.dump`` writes from that buffer."""
+    spec = mgpu_profiler.ProfilerSpec(4 * prof.PROFILE_SPACE)
+    buf, G = _events_buffer(spec, events)
+    f = io.StringIO()
+    spec.dump(buf, f, grid=(G, 1, 1), block=(128 * prof.NUM_WARPGROUPS, 1, 1))
+    return json.loads(f.getvalue())
 
 
 def test_busy_times_from_a_profiler_trace():
@@ -75,11 +82,8 @@ def test_busy_times_from_a_profiler_trace():
             a, r = int(A[c, wg]), int(R[c, wg])
             regions[(c, wg)] = [("attention", 5, 5 + a), ("reduction", 5 + a + gap, 5 + a + gap + r)]
         regions[(c, 2)] = [("attention", 5, 5 + 10 ** 6)]   # the producer: left out
-    spec = mgpu_profiler.ProfilerSpec(4 * prof.PROFILE_SPACE)
-    buf, G = _device_buffer(spec, regions)
-    f = io.StringIO()
-    spec.dump(buf, f, grid=(G, 1, 1), block=(128 * prof.NUM_WARPGROUPS, 1, 1))
-    trace = json.loads(f.getvalue())
+    trace = _trace({k: [e for name, t0, t1 in v for e in ((name, "B", t0), (name, "E", t1))]
+                    for k, v in regions.items()})
     attn, red = prof.busy_from_trace(trace, G, clock)
     # The profiler subtracts its own cost per event: min gap between events - 1 = 9 cycles.
     ov = gap - 1
@@ -121,28 +125,6 @@ def test_model_inputs_feed_the_calibration(tmp_path, monkeypatch, capsys):
     assert fit["params"]["time_unit_us"] == pytest.approx(0.25)
     assert fit["rmse"]["attention_us"] < 1e-9
 
-
-
-def _events_buffer(spec, events, start_ns=1000):
-    """Like :func:`_device_buffer` from explicit events: ``events[(cta, wg)]`` lists
-    ``(name, "B" or "E", cycle)`` in the order the device records them (regions may nest)."""
-    G = 1 + max(c for c, _ in events)
-    buf = np.zeros((G, prof.NUM_WARPGROUPS, spec.entries_per_warpgroup), np.uint32)
-    for (c, wg), evs in events.items():
-        ev = []
-        for name, ph, t in evs:
-            ev += [(spec.ENTER if ph == "B" else spec.EXIT) | spec.intern_name(name), t]
-        buf[c, wg, :3] = (start_ns + 7 * c, c, len(ev))
-        buf[c, wg, 3:3 + len(ev)] = ev
-    return buf.reshape(-1), G
-
-
-def _trace(events):
-    spec = mgpu_profiler.ProfilerSpec(4 * prof.PROFILE_SPACE)
-    buf, G = _events_buffer(spec, events)
-    f = io.StringIO()
-    spec.dump(buf, f, grid=(G, 1, 1), block=(128 * prof.NUM_WARPGROUPS, 1, 1))
-    return json.loads(f.getvalue())
 
 
 def test_reduction_items_from_a_profiler_trace():

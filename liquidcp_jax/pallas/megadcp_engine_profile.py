@@ -56,35 +56,28 @@ def busy_from_trace(trace, num_ctas: int, clock_ghz: float) -> tuple[np.ndarray,
       num_ctas: the engine's grid (CTA ``c`` is ``tid // 3`` of the trace, ``tid`` 1-based).
       clock_ghz: SM clock in GHz (cycles per ns) during the run.
     """
-    if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
-        raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
+    _check_clock(clock_ghz)
     K = int(num_ctas)
-    # enter / exit (kilocycles) of each (cta, warpgroup, region)
-    enter, leave = {}, {}
-    for (cta, wg), regions in _regions(trace, K).items():
-        for name, t0, t1 in regions:
-            if name in (ATTENTION, REDUCTION):
-                enter[(cta, wg, name)] = t0
-                if t1 is not None:
-                    leave[(cta, wg, name)] = t1
     attn = np.zeros(K)
     red = np.zeros(K)
     attn_end = np.full(K, -np.inf)
     red_end = np.full(K, -np.inf)
     seen = np.zeros(K, bool)
-    for (cta, wg, name), t0 in enter.items():
+    for (cta, wg), regions in _regions(trace, K).items():   # enter / exit in kilocycles
         if wg not in COMPUTE_WARPGROUPS:
             continue
-        t1 = leave.get((cta, wg, name))
-        if t1 is None:
-            raise ValueError(f"CTA {cta} warpgroup {wg}: region {name!r} never ends (truncated "
-                             f"trace: raise the profile space)")
-        if name == ATTENTION:
-            seen[cta] = True
-            attn[cta] = max(attn[cta], t1 - t0)
-            attn_end[cta] = max(attn_end[cta], t1)
-        else:
-            red_end[cta] = max(red_end[cta], t1)
+        for name, t0, t1 in regions:
+            if name not in (ATTENTION, REDUCTION):
+                continue
+            if t1 is None:
+                raise ValueError(f"CTA {cta} warpgroup {wg}: region {name!r} never ends "
+                                 f"(truncated trace: raise the profile space)")
+            if name == ATTENTION:
+                seen[cta] = True
+                attn[cta] = max(attn[cta], t1 - t0)
+                attn_end[cta] = max(attn_end[cta], t1)
+            else:
+                red_end[cta] = max(red_end[cta], t1)
     if not seen.all():
         raise ValueError(f"the trace has no {ATTENTION!r} region for CTAs "
                          f"{np.flatnonzero(~seen)[:8].tolist()} (was it written by the engine "
@@ -93,6 +86,11 @@ def busy_from_trace(trace, num_ctas: int, clock_ghz: float) -> tuple[np.ndarray,
     red[has_red] = np.maximum(red_end[has_red] - attn_end[has_red], 0.0)
     # kilocycles -> µs: 1e3 cycles / (clock_ghz * 1e3 cycles per µs)
     return attn / clock_ghz, red / clock_ghz
+
+
+def _check_clock(clock_ghz):
+    if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
+        raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
 
 
 def _regions(trace, num_ctas: int) -> dict:
@@ -139,8 +137,7 @@ def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: f
     half). ``items_per_cta[c]``: the items CTA ``c`` ran (``diff(tables.cta_off[1])``); a CTA
     whose trace holds another number of items is an error.
     """
-    if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
-        raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
+    _check_clock(clock_ghz)
     items = np.asarray(items_per_cta, np.int64)
     K = items.size
     regs = _regions(trace, K)
