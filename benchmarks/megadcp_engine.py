@@ -41,7 +41,9 @@ One harness case per group of snapshots sharing a capacity bucket (one compile p
 Appendix A.2): the fused engine runs a decode-only batch with the on-device profiler
 (``EngineConfig(profile_dir=...)``), per-CTA attention / reduction busy times are read from its
 trace, and ``megadcp.calibrate.calibrate`` fits ``Params`` to them; the report holds the fitted
-parameters, their RMSE, the busy times and the input ``liquidcp calibrate`` reads.
+parameters, their RMSE, the busy times and the input ``liquidcp calibrate`` reads. Each batch
+also records per reduction item its wait and merge, on the fused engine and (merge only) on
+the staged engine's reduction launch, each fitted against the inputs merged.
 
     python -m benchmarks.megadcp_engine [--quick] [--out FILE] [--cases NAMES] [--budget-s S]
     python -m benchmarks.megadcp_engine --calibrate [--calibration-batches N]
@@ -549,6 +551,21 @@ def calibration_record(trace, plan, t, num_ctas: int, clock: float):
     return fields, cin, (attn, red, tiles, splits, inp)
 
 
+def staged_record(trace, plan, clock: float) -> dict:
+    """The staged engine's reduction launch profiled on ``plan``'s tables: its items' merge
+    times and their fit against the inputs merged (``staged_`` row fields; an unreadable trace
+    gives ``staged_items_error``)."""
+    tb = plan.tables
+    try:
+        _, _, merge = prof.reduction_items_from_trace(trace, np.diff(tb.cta_off[1]), clock,
+                                                      waits=False)
+    except ValueError as e:
+        return {"staged_items_error": str(e)}
+    n_in = tb.red[:len(merge), et.FR["n_in"]]
+    return {"staged_merge_fit": prof.merge_cost_fit(n_in, merge) if merge.size else None,
+            "staged_merge_us": merge.round(3).tolist()}
+
+
 def calibration(a, argv):
     """Profiles the fused engine on decode-only batches and fits ``critical_wave.Params``."""
     import shutil
@@ -561,7 +578,7 @@ def calibration(a, argv):
                          "(or unset)") from None
     G = eng.EngineConfig().grid()
     report = H.Report("benchmarks.megadcp_engine --calibrate", a.out, argv, num_sms=G,
-                      quiet=("calibrate_input", "reduction_items"))
+                      quiet=("calibrate_input", "reduction_items", "staged_merge_us"))
     pdir = os.path.join(os.path.dirname(os.path.abspath(a.out)), "megadcp_engine_profile")
     rng = np.random.default_rng(0)
     hq = 8
@@ -587,6 +604,17 @@ def calibration(a, argv):
         clock = a.clock_ghz or sm_clock_ghz() or 1.98
         fields, cin, (attn, red, tiles, splits, inp) = calibration_record(
             prof.latest_trace(pdir), plan, t, G, clock)
+        # The same tables on the staged engine, its reduction launch profiled: the merge code
+        # without counters (staged ran 98-way splits' merges faster than fused, docs/results.md)
+        shutil.rmtree(pdir, ignore_errors=True)
+        os.makedirs(pdir)
+        cfg_s = eng.EngineConfig(fused=False, profile_dir=pdir)
+        fs = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, s, scale=D ** -0.5, config=cfg_s))
+        jax.block_until_ready(fs(*args))
+        for p in os.listdir(pdir):
+            os.remove(os.path.join(pdir, p))
+        jax.block_until_ready(fs(*args))
+        fields.update(staged_record(prof.latest_trace(pdir), plan, clock))
         path = os.path.join(os.path.dirname(os.path.abspath(a.out)),
                             f"megadcp_calibration_input{b}.json")
         with open(path, "w", encoding="utf-8") as fh:
@@ -604,6 +632,8 @@ def calibration(a, argv):
         report.add(row)
         items = row.get("reduction_items_error") or (
             f"wait {row['reduction_wait_us_mean']} us mean, merge fit {row['merge_fit']}")
+        items += "; staged: " + (row.get("staged_items_error")
+                                 or f"merge fit {row['staged_merge_fit']}")
         print(f"calibration{b}: {len(hist)} requests, clock {clock:.2f} GHz, attention busy "
               f"{attn.mean():.1f} us mean / {attn.max():.1f} max; reduction items: {items}; "
               f"wrote {path} (liquidcp calibrate {os.path.basename(path)}){msg}", flush=True)

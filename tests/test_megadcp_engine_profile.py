@@ -40,8 +40,12 @@ def test_profiled_engine_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
     entries = 6 * prof.NUM_WARPGROUPS * 4 * prof.PROFILE_SPACE
     assert f"tensor<{entries}xui32>" in outs[str(tmp_path)]
     assert "ui32>" not in outs[None]
-    with pytest.raises(ValueError, match="profile_dir needs fused=True"):
-        eng.EngineConfig(fused=False, profile_dir=str(tmp_path))
+    # staged: the reduction launch carries the profile buffer, the attention launch does not
+    cfg = eng.EngineConfig(num_ctas=6, fused=False, profile_dir=str(tmp_path))
+    f = jax.jit(lambda q, *a: eng.megadcp_engine(q, q, *a, plan.tables, s, scale=0.1, config=cfg))
+    txt = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [x for x in txt.splitlines() if "custom_call @mosaic_gpu" in x]
+    assert len(calls) == 2 and f"tensor<{entries}xui32>" in calls[1] and "ui32>" not in calls[0]
     with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
         eng.EngineConfig(profile_dir="")
 
@@ -172,6 +176,35 @@ def test_reduction_items_from_a_profiler_trace():
         prof.reduction_items_from_trace(trace, items, -1.0)
 
 
+def test_staged_reduction_items_from_a_profiler_trace():
+    """The staged engine's reduction launch records only ``red_merge`` per item: read with
+    ``waits=False`` (waits NaN), merges as for the fused engine; a fused trace read that way,
+    or a staged one read as fused, is an error naming the mode."""
+    items, clock, gap = [1, 3, 0], 1.5, 20
+    merges = np.array([[4000, 4100], [2500, 2400], [7000, 7300], [900, 950]])
+    events, k = {}, 0
+    for c, n in enumerate(items):
+        for wg in (0, 1):
+            t, ev = 5, []
+            for j in range(k, k + n):
+                ev += [("red_merge", "B", t + gap), ("red_merge", "E", t + gap + int(merges[j, wg]))]
+                t += gap + int(merges[j, wg])
+            if ev:   # CTA 2 ran no item: no events
+                events[(c, wg)] = ev
+        k += n
+    trace = _trace(events)
+    cta, wait, merge = prof.reduction_items_from_trace(trace, items, clock, waits=False)
+    assert cta.tolist() == [0, 1, 1, 1] and np.isnan(wait).all()
+    ov = min(gap, 12) - 1   # the profiler subtracts its cost per event (at most 12 - 1 cycles)
+    np.testing.assert_allclose(merge, (merges - ov).max(1) / 1e3 / clock, rtol=1e-12)
+    with pytest.raises(ValueError, match="written by the fused engine"):
+        prof.reduction_items_from_trace(trace, items, clock)
+    fused = _trace({(0, wg): [("red_wait", "B", 5), ("red_wait", "E", 50),
+                              ("red_merge", "B", 70), ("red_merge", "E", 900)] for wg in (0, 1)})
+    with pytest.raises(ValueError, match="staged engine's reduction launch"):
+        prof.reduction_items_from_trace(fused, [1], clock, waits=False)
+
+
 def test_a_full_profile_space_is_an_error():
     """A warpgroup that used every region of its space may have lost later ones: an error."""
     n = prof.PROFILE_SPACE - 2
@@ -233,3 +266,12 @@ def test_calibration_record_from_a_trace():
     fields2, _, (attn2, _, _, _, _) = bench.calibration_record(bare, plan, t, G, 2.0)
     assert "reduction items" in fields2["reduction_items_error"]
     np.testing.assert_allclose(attn2, attn)
+    # the staged engine's reduction launch on the same tables: merges only
+    staged = _trace({key: [e for e in ev if e[0] == "red_merge"] or [("x", "B", 1), ("x", "E", 2)]
+                     for key, ev in events.items()})
+    sf = bench.staged_record(staged, plan, 2.0)
+    assert len(sf["staged_merge_us"]) == n_in.size
+    if np.unique(n_in).size > 1:
+        assert sf["staged_merge_fit"]["per_input_us"] == pytest.approx(1.5, rel=1e-3)
+    assert "staged engine's reduction launch" in bench.staged_record(trace, plan, 2.0)[
+        "staged_items_error"]

@@ -76,10 +76,12 @@ class EngineConfig:
     ``block_kv``: keys per KV tile; ``max_concurrent_steps``: KV ring slots (2 at ``D = 128``:
     the f32 partial-state staging takes the third slot's SMEM); ``num_ctas``: grid size
     (default: SM count); ``fused``: one launch with device-side counters (False: attention
-    launch + reduction launch, no semaphores); ``profile_dir``: calibration mode (fused only):
-    each warpgroup records its ``attention`` and ``reduction`` regions with Mosaic GPU's
-    on-device profiler, and a Chrome trace is written into this directory after each launch
-    (:mod:`megadcp_engine_profile` turns it into per-CTA busy times). The compute warpgroups'
+    launch + reduction launch, no semaphores); ``profile_dir``: calibration mode: each
+    warpgroup records its ``attention`` and ``reduction`` regions and each reduction item's
+    regions with Mosaic GPU's on-device profiler, and a Chrome trace is written into this
+    directory after each launch (:mod:`megadcp_engine_profile` turns it into per-CTA busy
+    times); with ``fused=False`` only the reduction launch is profiled (its items' merges, to
+    compare a merge's cost in the two modes). The compute warpgroups'
     ping-pong runs on hardware named barriers on the GPU (the tile-attention forward's
     schedule; the interpreter uses an mbarrier). ``contain_bad_data``: non-finite ``V`` rows
     reach only the rows that see them (history tasks zero other requests' ``V`` rows of their
@@ -111,9 +113,6 @@ class EngineConfig:
                                              or not self.profile_dir):
             raise ValueError(f"profile_dir must be None or a directory path, got "
                              f"{self.profile_dir!r}")
-        if self.profile_dir is not None and not self.fused:
-            raise ValueError("profile_dir needs fused=True (calibration profiles the one-launch "
-                             "engine)")
 
     def grid(self) -> int:
         if self.num_ctas is not None:
@@ -405,9 +404,9 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
     profile = {} if config.profile_dir is None or interpret else dict(
         profile_space=prof_lib.PROFILE_SPACE, profile_dir=config.profile_dir,
         profile_bounds_check=True)   # a truncated trace is reported, never corrupts SMEM
+    params = lambda **p: plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **p)  # noqa: E731
     kw = dict(grid=(G,), grid_names=("sm",), num_threads=prof_lib.NUM_WARPGROUPS,
-              thread_name="wg", compiler_params=plgpu.CompilerParams(
-                  approx_math=True, reduction_scratch_bytes=0, **profile))
+              thread_name="wg", compiler_params=params(**profile))
     kw.update(interpret_params(interpret))
 
     if config.fused:
@@ -448,7 +447,8 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
             d, dtype, final, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
             in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
-    call_a = plgpu.kernel(attn_kernel, out_type=part_types, **kw)
+    # staged calibration mode profiles the reduction launch only (its items' merges)
+    call_a = plgpu.kernel(attn_kernel, out_type=part_types, **dict(kw, compiler_params=params()))
     call_r = plgpu.kernel(red_kernel, out_type=res_types, **kw)
 
     def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):

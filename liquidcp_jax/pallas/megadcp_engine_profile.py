@@ -17,6 +17,8 @@ Inside ``reduction`` the fused engine records two regions per reduction item, ``
 its inputs' counters are complete) and ``red_merge`` (its loads, merge and store):
 :func:`reduction_items_from_trace` reads them per item and :func:`merge_cost_fit` fits what a
 merged partial state costs, which says whether a step's reductions wait for attention or merge.
+The staged engine (``fused=False``) profiles its reduction launch only: ``red_merge`` per item,
+the same merge code without counters, so the two modes' merge costs compare directly.
 """
 from __future__ import annotations
 
@@ -127,15 +129,16 @@ def _regions(trace, num_ctas: int) -> dict:
     return {k: [tuple(r) for r in v] for k, v in out.items()}
 
 
-def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: float
-                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per reduction item of the fused engine, in each CTA's order (CTA 0's items first, as in
-    the tables' CTA-major ``red``): ``(cta, wait_us, merge_us)``, each ``[items]``.
+def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: float,
+                               waits: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per reduction item, in each CTA's order (CTA 0's items first, as in the tables'
+    CTA-major ``red``): ``(cta, wait_us, merge_us)``, each ``[items]``.
 
     ``wait_us`` is the time the item waited for its inputs' counters, ``merge_us`` its loads,
     merge and store; each the longer of the two compute warpgroups' (each merges a 64-row
     half). ``items_per_cta[c]``: the items CTA ``c`` ran (``diff(tables.cta_off[1])``); a CTA
-    whose trace holds another number of items is an error.
+    whose trace holds another number of items is an error. ``waits=False``: a trace of the
+    staged engine's reduction launch, which has no counters to wait for (``wait_us`` is NaN).
     """
     _check_clock(clock_ghz)
     items = np.asarray(items_per_cta, np.int64)
@@ -148,11 +151,12 @@ def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: f
             r = regs.get((c, wg), [])
             w = [t1 - t0 for n, t0, t1 in r if n == RED_WAIT and t1 is not None]
             m = [t1 - t0 for n, t0, t1 in r if n == RED_MERGE and t1 is not None]
-            if len(m) != items[c] or len(w) != items[c]:
+            if len(m) != items[c] or len(w) != (items[c] if waits else 0):
+                mode = "fused engine" if waits else "staged engine's reduction launch"
                 raise ValueError(f"CTA {c} warpgroup {wg}: the trace has {len(w)} waits and "
                                  f"{len(m)} merges, the tables {int(items[c])} reduction items "
-                                 f"(was it written by the fused engine with these tables?)")
-            per_wg.append((w, m))
+                                 f"(was it written by the {mode} with these tables?)")
+            per_wg.append((w if waits else [np.nan] * len(m), m))
         for k in range(int(items[c])):
             cta.append(c)
             wait.append(max(w[k] for w, _ in per_wg))
