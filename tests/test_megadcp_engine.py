@@ -2,6 +2,7 @@
 (NumPy simulation), the staged engine in the Mosaic GPU interpreter vs float64, and the
 Pallas -> Mosaic GPU lowering of both engines (compile checks without a GPU)."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -222,6 +223,31 @@ def test_fused_engine_lowering_deeper_kv_ring(final):
     ``smem_bytes``) lowers for CUDA: one Mosaic GPU call."""
     txt = _lower(final, True, block_kv=64, mcs=4)
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+def test_fused_engine_gives_registers_back_before_the_reduction(monkeypatch):
+    """Register allocation of the fused kernel, read from the Mosaic GPU module: the compute
+    warpgroups' 232 and the producer's 40 are set back to 168 before the reduction phase (its
+    first counter wait), so no warpgroup enters the merges with the producer's 40; the staged
+    kernels keep the plain warp specialization (their attention launch ends with it)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    modules, serde = [], mgpu_core._run_serde_pass
+
+    def capture(module, *, serialize, **kw):
+        if serialize:
+            modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, serialize=serialize, **kw)
+
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", capture)
+    _lower(True, True)
+    (fused,) = modules
+    modules.clear()
+    _lower(True, False)
+    attn, red = modules
+    regs = lambda txt: re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", txt)  # noqa: E731
+    assert regs(fused) == [("inc", "232"), ("dec", "168"), ("dec", "40"), ("inc", "168")]
+    assert fused.index("setmaxnreg.inc.sync.aligned.u32 168") < fused.index("ld.relaxed.gpu")
+    assert regs(attn) == [("inc", "232"), ("dec", "40")] and regs(red) == []
 
 
 @pytest.mark.parametrize("final", [True])

@@ -65,6 +65,9 @@ from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BQ = 64                 # rows per compute warpgroup
+# Registers per thread of the attention phase's roles (warp specialization) and of all three
+# warpgroups after it: 384 threads share 64 K registers, 168 each by default.
+_REGS_COMPUTE, _REGS_PRODUCER, _REGS_EVEN = 232, 40, 168
 _ROWS = et.TILE_ROWS     # rows per task tile (two warpgroups)
 _MOSAIC_OVERHEAD = 256   # barriers (reduction_scratch_bytes=0: row reductions need no SMEM)
 
@@ -164,7 +167,7 @@ def _attention_phase(cx_static, refs, bars, sems):
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
             r0 = wg * _BQ
             o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
 
@@ -222,10 +225,12 @@ def _attention_phase(cx_static, refs, bars, sems):
 
             lax.fori_loop(a0, a1, run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
+            if fused:   # back to even registers before the roles rejoin (see _producer)
+                plgpu.set_max_registers(_REGS_EVEN, action="decrease")
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGS_PRODUCER, action="decrease")
 
             def run(i, c0):
                 get = lambda name: attn_ref[i, fa[name]]  # noqa: E731
@@ -266,6 +271,15 @@ def _attention_phase(cx_static, refs, bars, sems):
             @pl.when(a1 > a0)
             def _():
                 plgpu.barrier_wait(q_free)   # the last task's Q release
+
+            if fused:
+                # The reduction phase runs after the roles rejoin, where ptxas must fit the
+                # code into every warpgroup's allocation, this role's 40 included: the fused
+                # engine's merges ran 3-5x slower than the same code in the staged reduction
+                # launch (168 registers) on an H100 (docs/kernels.md). The increase waits for
+                # the compute warpgroups' decrease after their last task, which needs nothing
+                # more from this warpgroup: it cannot deadlock.
+                plgpu.set_max_registers(_REGS_EVEN, action="increase")
 
     tf = swizzled()
     pl.run_scoped(
