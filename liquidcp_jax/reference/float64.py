@@ -239,6 +239,25 @@ def segment_visibility(segments, tq: int, tk: int, causal: bool) -> np.ndarray:
     return m
 
 
+def _segment_blocks(segments, tq: int):
+    """``[(query rows, key rows), ...]`` of the active segments (``slice`` pairs), or None when
+    two of them share a query row. With disjoint query rows a row sees keys of its own segment
+    only, so the masked attention splits into one block per segment: the same float64 result
+    (up to the order of ``dk`` / ``dv`` sums over segments sharing keys) at the cost of the
+    blocks instead of the whole ``[Tq, Tk]`` square."""
+    q_start, q_len, kv_start, kv_len, _, _, num_segs = segments
+    blocks, owner = [], np.zeros(tq, bool)
+    for s in range(int(num_segs)):
+        ql, kl, q0, k0 = int(q_len[s]), int(kv_len[s]), int(q_start[s]), int(kv_start[s])
+        if ql <= 0 or kl <= 0:
+            continue
+        if owner[q0:q0 + ql].any():
+            return None
+        owner[q0:q0 + ql] = True
+        blocks.append((slice(q0, q0 + ql), slice(k0, k0 + kl)))
+    return blocks
+
+
 def segment_attention_reference(q, k, v, segments, *, causal: bool, scale: float):
     """Attention over a segment table (:func:`segment_visibility`), in float64: the reference of
     ``pallas.api.segment_attention`` and its XLA twin.
@@ -251,7 +270,14 @@ def segment_attention_reference(q, k, v, segments, *, causal: bool, scale: float
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     mask = segment_visibility(segments, q.shape[0], k.shape[0], causal)
-    return _attend(q, k, v, mask, float(scale))
+    blocks = _segment_blocks(segments, q.shape[0])
+    if blocks is None:
+        return _attend(q, k, v, mask, float(scale))
+    out = np.zeros(q.shape)
+    lse = np.full(q.shape[:2], -np.inf)
+    for qs, ks in blocks:
+        out[qs], lse[qs] = _attend(q[qs], k[ks], v[ks], mask[qs, ks], float(scale))
+    return out, lse
 
 
 def segment_attention_reference_vjp(q, k, v, do, segments, *, causal: bool, scale: float):
@@ -262,7 +288,16 @@ def segment_attention_reference_vjp(q, k, v, do, segments, *, causal: bool, scal
     """
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     mask = segment_visibility(segments, q.shape[0], k.shape[0], causal)
-    return _attend_vjp(q, k, v, do, mask, float(scale))
+    blocks = _segment_blocks(segments, q.shape[0])
+    if blocks is None:
+        return _attend_vjp(q, k, v, do, mask, float(scale))
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for qs, ks in blocks:
+        bq, bk, bv = _attend_vjp(q[qs], k[ks], v[ks], do[qs], mask[qs, ks], float(scale))
+        dq[qs] = bq
+        dk[ks] += bk   # segments may share keys: their contributions add (NaN stays NaN)
+        dv[ks] += bv
+    return dq, dk, dv
 
 
 def decode_reference(q, k_new, v_new, k_hist, v_hist, history_lengths, query_lengths,
