@@ -221,7 +221,7 @@ def _resolve_cache(directory):
 # ------------------------------------------------------------------------------------- calibrate
 
 CALIBRATE_INPUT = """\
-input: a JSON object measured on one calibration batch (paper Appendix A.2):
+input: one JSON file per calibration batch, fitted jointly (paper Appendix A.2), each an object:
   "num_ctas":          K, compute CTAs of the GPU
   "attention_busy_us": [K] attention busy time of each CTA (µs), in CTA index order
   "reduction_busy_us": [K] history-reduction busy time of each CTA (µs), or null
@@ -234,8 +234,9 @@ input: a JSON object measured on one calibration batch (paper Appendix A.2):
 
 
 def _calibrate_add(ap):
-    ap.add_argument("input", nargs="?", default=None,
-                    help="JSON file of measured busy times (format below).")
+    ap.add_argument("input", nargs="*", default=[],
+                    help="JSON files of measured busy times, one per batch (format below); "
+                         "several are fitted jointly.")
     ap.add_argument("--synthetic", action="store_true",
                     help="fit busy times simulated with the paper's H100 parameters on a seeded "
                          "batch instead of a file (checks that the fit recovers them).")
@@ -247,10 +248,11 @@ def _calibrate_add(ap):
 
 
 def _calibrate_inputs(args):
+    """``(batches, true params or None)``: the input files' batches, or one synthetic batch."""
     import numpy as np
     from liquidcp_jax.megadcp import critical_wave as cw
-    if args.synthetic == (args.input is not None):
-        raise ValueError("pass either an input JSON file or --synthetic")
+    if args.synthetic == bool(args.input):
+        raise ValueError("pass either input JSON files or --synthetic")
     if args.synthetic:
         true = cw.Params.h100(num_ctas=args.num_ctas)
         rng = np.random.default_rng(args.seed)
@@ -260,36 +262,49 @@ def _calibrate_inputs(args):
         data = {"num_ctas": args.num_ctas, "history_tiles": tiles, "splits": splits,
                 "attention_busy_us": (tl.attention_busy(args.num_ctas) * true.time_unit_us).tolist(),
                 "reduction_busy_us": (tl.reduction_busy(args.num_ctas) * true.time_unit_us).tolist()}
-        return data, true
-    try:
-        with open(args.input, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read {args.input}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{args.input} is not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{args.input} must hold a JSON object")
-    missing = [k for k in ("num_ctas", "attention_busy_us", "history_tiles", "splits") if k not in data]
-    if missing:
-        raise ValueError(f"{args.input} lacks {', '.join(missing)} (see liquidcp calibrate --help)")
-    return data, None
+        return [data], true
+    batches = []
+    for path in args.input:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object")
+        missing = [k for k in ("num_ctas", "attention_busy_us", "history_tiles", "splits")
+                   if k not in data]
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)} (see liquidcp calibrate --help)")
+        for key, default in (("num_ctas", None), ("warps_per_cta", 12)):
+            first = batches[0].get(key, default) if batches else None
+            if batches and data.get(key, default) != first:
+                raise ValueError(f"{path} has {key}={data.get(key, default)}, "
+                                 f"{args.input[0]} {first}: one GPU's batches are fitted together")
+        batches.append(data)
+    return batches, None
 
 
 def _calibrate_run(args) -> int:
     from liquidcp_jax.megadcp import calibrate as cal
-    data, true = _calibrate_inputs(args)
-    extra = {k: data[k] for k in ("vectors", "query_tiles", "order", "epochs", "copy_run",
-                                  "merge_run") if data.get(k) is not None}
+    batches, true = _calibrate_inputs(args)
+    keep = ("vectors", "query_tiles", "order", "epochs", "copy_run", "merge_run")
+    fit_in = [{"attention_busy_us": b["attention_busy_us"],
+               "reduction_busy_us": b.get("reduction_busy_us"),
+               "history_tiles": b["history_tiles"], "splits": b["splits"],
+               **{k: b[k] for k in keep if b.get(k) is not None}} for b in batches]
+    K = int(batches[0]["num_ctas"])
     t0 = time.perf_counter()
-    params, rmse = cal.calibrate(data["attention_busy_us"], data.get("reduction_busy_us"),
-                                 data["history_tiles"], data["splits"], num_ctas=int(data["num_ctas"]),
-                                 warps_per_cta=int(data.get("warps_per_cta", 12)), **extra)
+    params, rmse = cal.calibrate_batches(fit_in, num_ctas=K,
+                                         warps_per_cta=int(batches[0].get("warps_per_cta", 12)))
     dt = time.perf_counter() - t0
     fields = ("num_ctas", "rho", "delta_attn", "delta_red", "gamma", "warps_per_cta", "time_unit_us")
     fit = {k: getattr(params, k) for k in fields}
-    print(f"critical-wave fit ({len(data['history_tiles'])} requests, {data['num_ctas']} CTAs, "
-          f"{dt:.1f} s):")
+    n_req = "+".join(str(len(b["history_tiles"])) for b in batches)
+    print(f"critical-wave fit ({len(batches)} batch{'es' if len(batches) > 1 else ''}, {n_req} "
+          f"requests, {K} CTAs, {dt:.1f} s):")
     for k in fields:
         ref = f"   (simulated with {getattr(true, k):g})" if true is not None else ""
         print(f"  {k:<14} {fit[k]:g}{ref}")
@@ -297,7 +312,7 @@ def _calibrate_run(args) -> int:
     print("use: lcp.plan_megadcp(..., params=liquidcp_jax.megadcp.critical_wave.Params(**fit))")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"params": fit, "rmse": rmse}, f, indent=1)
+            json.dump({"params": fit, "rmse": rmse, "inputs": list(args.input)}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 

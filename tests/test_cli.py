@@ -30,7 +30,7 @@ def _run(capsys, *args):
     (["plan", "--batches", "0"], "argument --batches"),
     (["plan", "--dataset", "nope"], "argument --dataset"),
     (["train-example"], "invalid choice: 'train-example'"),
-    (["calibrate"], "pass either an input JSON file or --synthetic"),
+    (["calibrate"], "pass either input JSON files or --synthetic"),
     (["calibrate", "missing.json"], "cannot read missing.json"),
     (["bench", "nosuch"], "unknown benchmark 'nosuch'"),
 ])
@@ -113,6 +113,20 @@ def test_calibrate_file(capsys, tmp_path, monkeypatch):
     assert fit["params"]["rho"] == pytest.approx(0.6) and fit["params"]["delta_attn"] == 5.0
     assert fit["params"]["time_unit_us"] == pytest.approx(1.5)
     cw.Params(**fit["params"])                        # the JSON builds the planner's Params
+    # two batches fitted jointly; batches of different GPUs are refused
+    tiles2 = [9, 8, 70, 3]
+    _, tl2 = cw.simulate(tiles2, [1, 1, 3, 1], true, return_timeline=True)
+    data2 = dict(data, history_tiles=tiles2, splits=[1, 1, 3, 1],
+                 attention_busy_us=(tl2.attention_busy(6) * 1.5).tolist())
+    (tmp_path / "m2.json").write_text(json.dumps(data2))
+    rc, out, _ = _run(capsys, "calibrate", "m.json", "m2.json", "--out", "fit2.json")
+    assert rc == 0 and "2 batches, 8+4 requests" in out
+    fit2 = json.loads((tmp_path / "fit2.json").read_text())
+    assert fit2["params"]["rho"] == pytest.approx(0.6) and fit2["params"]["delta_attn"] == 5.0
+    assert fit2["inputs"] == ["m.json", "m2.json"]
+    (tmp_path / "m3.json").write_text(json.dumps(dict(data2, num_ctas=8)))
+    rc, _, err = _run(capsys, "calibrate", "m.json", "m3.json")
+    assert rc == 2 and "m3.json has num_ctas=8" in err
 
 
 def test_compilation_cache_dir(tmp_path, monkeypatch):

@@ -213,6 +213,36 @@ def test_calibrate_recovers_parameters():
         cw.calibrate(att[:3], red, tiles, splits, num_ctas=6)
 
 
+def test_calibrate_batches_fits_several_batches_jointly():
+    """Two batches of one GPU (one without reduction times) fitted jointly give the parameters
+    they were simulated with back."""
+    from liquidcp_jax.megadcp import calibrate as cal
+    true = cw.Params(num_ctas=6, rho=0.6, delta_attn=5, delta_red=2.0, gamma=0.5, warps_per_cta=2,
+                     time_unit_us=1.5)
+    cases = [([40, 31, 25, 18, 12, 9, 7, 3], [2, 2, 1, 1, 1, 1, 1, 1]), ([90, 4], [6, 1])]
+    batches = []
+    for n, (tiles, splits) in enumerate(cases):
+        vec = [4] * len(tiles)
+        _, tl = cw.simulate(tiles, splits, true, vectors=vec, return_timeline=True)
+        batches.append({"attention_busy_us": tl.attention_busy(6) * 1.5,
+                        "reduction_busy_us": tl.reduction_busy(6) * 1.5 if n == 0 else None,
+                        "history_tiles": tiles, "splits": splits, "vectors": vec})
+    grid = dict(num_ctas=6, warps_per_cta=2, rhos=[0.4, 0.5, 0.6, 0.7], delta_attns=range(0, 9))
+    fit, rmse = cal.calibrate_batches(batches, **grid)
+    assert (fit.rho, fit.delta_attn) == (0.6, 5.0)
+    assert fit.time_unit_us == pytest.approx(1.5, rel=1e-6) and rmse["attention_us"] < 1e-6
+    assert rmse["reduction_us"] < 0.05
+    # the single-batch entry point is the one-batch case
+    one, _ = cw.calibrate(batches[0]["attention_busy_us"], batches[0]["reduction_busy_us"],
+                          cases[0][0], cases[0][1], vectors=batches[0]["vectors"], **grid)
+    two, _ = cal.calibrate_batches(batches[:1], **grid)
+    assert one == two
+    with pytest.raises(ValueError, match="batch 1: attention_busy_us"):
+        cal.calibrate_batches([batches[0], dict(batches[1], attention_busy_us=[1.0])], **grid)
+    with pytest.raises(ValueError, match="at least one"):
+        cal.calibrate_batches([], **grid)
+
+
 # ----------------------------------------------------------------------------------------------
 # Regression, compiled engine, optimized search
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 #   tests   tests/test_megadcp_engine_gpu.py, 4 xdist workers ($OUT/engine_tests.log)
 #   bench   python -m benchmarks.megadcp_engine $BENCH_ARGS ($OUT/engine.json, engine.png)
 #   calibrate  profiled engine runs -> per-CTA busy times ($OUT/calibration.json; each row's
-#           "calibrate_input", saved as a file, is what `liquidcp calibrate FILE` fits off the device),
+#           "calibrate_input", saved as a file, is what `liquidcp calibrate FILE ...` fits off the device, jointly),
 #           per-item merge times of the fused and staged engines, ptxas' register / spill report
 #           of each kernel ($OUT/calibrate_ptxas.txt)
 # Env: TEST_S, BENCH_S, CAL_S (timeouts), BENCH_ARGS (default --quick --budget-s 150).
