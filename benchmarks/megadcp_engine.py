@@ -605,16 +605,21 @@ def calibration(a, argv):
         fields, cin, (attn, red, tiles, splits, inp) = calibration_record(
             prof.latest_trace(pdir), plan, t, G, clock)
         # The same tables on the staged engine, its reduction launch profiled: the merge code
-        # without counters (staged ran 98-way splits' merges faster than fused, docs/results.md)
-        shutil.rmtree(pdir, ignore_errors=True)
-        os.makedirs(pdir)
-        cfg_s = eng.EngineConfig(fused=False, profile_dir=pdir)
-        fs = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, s, scale=D ** -0.5, config=cfg_s))
-        jax.block_until_ready(fs(*args))
-        for p in os.listdir(pdir):
-            os.remove(os.path.join(pdir, p))
-        jax.block_until_ready(fs(*args))
-        fields.update(staged_record(prof.latest_trace(pdir), plan, clock))
+        # without counters (its merges ran 3-5x faster than the fused kernel's, results.md).
+        # A failure here is the row's note; the fused figures above still count.
+        try:
+            shutil.rmtree(pdir, ignore_errors=True)
+            os.makedirs(pdir)
+            cfg_s = eng.EngineConfig(fused=False, profile_dir=pdir)
+            fs = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, s, scale=D ** -0.5,
+                                                       config=cfg_s))
+            jax.block_until_ready(fs(*args))
+            for p in os.listdir(pdir):
+                os.remove(os.path.join(pdir, p))
+            jax.block_until_ready(fs(*args))
+            fields.update(staged_record(prof.latest_trace(pdir), plan, clock))
+        except Exception as e:  # noqa: BLE001
+            fields["staged_items_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         path = os.path.join(os.path.dirname(os.path.abspath(a.out)),
                             f"megadcp_calibration_input{b}.json")
         with open(path, "w", encoding="utf-8") as fh:

@@ -228,8 +228,9 @@ def test_fused_engine_lowering_deeper_kv_ring(final):
 def test_fused_engine_gives_registers_back_before_the_reduction(monkeypatch):
     """Register allocation of the fused kernel, read from the Mosaic GPU module: the compute
     warpgroups' 232 and the producer's 40 are set back to 168 before the reduction phase (its
-    first counter wait), so no warpgroup enters the merges with the producer's 40; the staged
-    kernels keep the plain warp specialization (their attention launch ends with it)."""
+    first counter wait), so no warpgroup enters the merges with the producer's 40, each after a
+    warpgroup barrier of its own block; the staged kernels keep the plain warp specialization
+    (their attention launch ends with it)."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
     modules, serde = [], mgpu_core._run_serde_pass
 
@@ -247,6 +248,12 @@ def test_fused_engine_gives_registers_back_before_the_reduction(monkeypatch):
     regs = lambda txt: re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", txt)  # noqa: E731
     assert regs(fused) == [("inc", "232"), ("dec", "168"), ("dec", "40"), ("inc", "168")]
     assert fused.index("setmaxnreg.inc.sync.aligned.u32 168") < fused.index("ld.relaxed.gpu")
+    # PTX: a warpgroup barrier between a warpgroup's two setmaxnreg, in the same block as the
+    # second (a CTA without tasks skips every loop and condition of its branch)
+    for op in ("dec.sync.aligned.u32 168", "inc.sync.aligned.u32 168"):
+        before = fused[:fused.index("setmaxnreg." + op)]
+        since = before[before.rindex('"bar.sync $0, 128;"'):]
+        assert "{" not in since and "}" not in since, op
     assert regs(attn) == [("inc", "232"), ("dec", "40")] and regs(red) == []
 
 

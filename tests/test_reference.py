@@ -194,3 +194,12 @@ def test_segment_reference_blocks_match_the_dense_square(rng, causal):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=name)
     shared = seg._replace(q_start=i32(0, 20, 52, 0))   # rows 20-24 in two segments
     assert f64._segment_blocks(shared, T) is None
+    # a segment whose one key lies past the buffer sees nothing, as in the dense square
+    past = seg._replace(kv_start=i32(0, 10, T + 5, 0), kv_len=i32(25, 30, 1, 3))
+    mask = ref.segment_visibility(past, T, T, causal)
+    want = f64._attend(q, k, v, mask, 0.3) + f64._attend_vjp(q, k, v, do, mask, 0.3)
+    got = (ref.segment_attention_reference(q, k, v, past, causal=causal, scale=0.3)
+           + ref.segment_attention_reference_vjp(q, k, v, do, past, causal=causal, scale=0.3))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)

@@ -24,7 +24,7 @@ for part in "${@:-tests bench}"; do for p in $part; do case "$p" in
   # ptxas' report of each kernel compiled (registers, spills: fused vs staged engine)
   calibrate) MOSAIC_GPU_DUMP_PTXAS=1 JAX_PLATFORMS=cuda,cpu step calibrate "${CAL_S:-150}" "$PY" \
                -m benchmarks.megadcp_engine --calibrate --out "$OUT/calibration.json"
-             grep -i "spill\|Used [0-9]* registers\|Compiling entry" "$OUT/calibrate.log" > "$OUT/calibrate_ptxas.txt"
+             grep -i "spill\|Used [0-9]* registers\|Compiling entry\|setmaxnreg\|C75" "$OUT/calibrate.log" > "$OUT/calibrate_ptxas.txt"
              # raw traces, and the per-batch inputs that calibration.json's rows also hold
              # ("calibrate_input"; at most 8 files come back from a device call)
              rm -rf "$OUT/megadcp_engine_profile" "$OUT"/megadcp_calibration_input*.json ;;

@@ -226,6 +226,7 @@ def _attention_phase(cx_static, refs, bars, sems):
             lax.fori_loop(a0, a1, run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
             if fused:   # back to even registers before the roles rejoin (see _producer)
+                plgpu.commit_smem()   # a warpgroup barrier between the two setmaxnreg (PTX)
                 plgpu.set_max_registers(_REGS_EVEN, action="decrease")
 
         @pl.when(wg == 2)
@@ -278,7 +279,9 @@ def _attention_phase(cx_static, refs, bars, sems):
                 # engine's merges ran 3-5x slower than the same code in the staged reduction
                 # launch (168 registers) on an H100 (docs/kernels.md). The increase waits for
                 # the compute warpgroups' decrease after their last task, which needs nothing
-                # more from this warpgroup: it cannot deadlock.
+                # more from this warpgroup: it cannot deadlock. PTX wants a warpgroup barrier
+                # between a warpgroup's two setmaxnreg, and a CTA without tasks has none above.
+                plgpu.commit_smem()
                 plgpu.set_max_registers(_REGS_EVEN, action="increase")
 
     tf = swizzled()

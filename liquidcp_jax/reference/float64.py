@@ -276,7 +276,8 @@ def segment_attention_reference(q, k, v, segments, *, causal: bool, scale: float
     out = np.zeros(q.shape)
     lse = np.full(q.shape[:2], -np.inf)
     for qs, ks in blocks:
-        out[qs], lse[qs] = _attend(q[qs], k[ks], v[ks], mask[qs, ks], float(scale))
+        if k[ks].shape[0] and q[qs].shape[0]:   # a range past the buffer sees nothing (as dense)
+            out[qs], lse[qs] = _attend(q[qs], k[ks], v[ks], mask[qs, ks], float(scale))
     return out, lse
 
 
@@ -293,6 +294,8 @@ def segment_attention_reference_vjp(q, k, v, do, segments, *, causal: bool, scal
         return _attend_vjp(q, k, v, do, mask, float(scale))
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for qs, ks in blocks:
+        if not (k[ks].shape[0] and q[qs].shape[0]):
+            continue
         bq, bk, bv = _attend_vjp(q[qs], k[ks], v[ks], do[qs], mask[qs, ks], float(scale))
         dq[qs] = bq
         dk[ks] += bk   # segments may share keys: their contributions add (NaN stays NaN)
