@@ -274,13 +274,11 @@ def _attention_phase(cx_static, refs, bars, sems):
                 plgpu.barrier_wait(q_free)   # the last task's Q release
 
             if fused:
-                # The reduction phase runs after the roles rejoin, where ptxas must fit the
-                # code into every warpgroup's allocation, this role's 40 included: the fused
-                # engine's merges ran 3-5x slower than the same code in the staged reduction
-                # launch (168 registers) on an H100 (docs/kernels.md). The increase waits for
-                # the compute warpgroups' decrease after their last task, which needs nothing
-                # more from this warpgroup: it cannot deadlock. PTX wants a warpgroup barrier
-                # between a warpgroup's two setmaxnreg, and a CTA without tasks has none above.
+                # The reduction after the rejoin must fit every warpgroup's allocation (this
+                # role's 40 would spill its merges: docs/kernels.md). The increase waits for the
+                # compute warpgroups' decrease after their last task, which needs nothing more
+                # from this warpgroup: no deadlock. PTX wants a warpgroup barrier between a
+                # warpgroup's two setmaxnreg, and a CTA without tasks has none above.
                 plgpu.commit_smem()
                 plgpu.set_max_registers(_REGS_EVEN, action="increase")
 
