@@ -566,9 +566,24 @@ def staged_record(trace, plan, clock: float) -> dict:
             "staged_merge_us": merge.round(3).tolist()}
 
 
+def profiled_trace(plan, args, pdir: str, **config) -> str:
+    """The profiler's trace of one warm run of the engine on ``plan`` (``EngineConfig(**config,
+    profile_dir=pdir)``): a first call compiles and runs cold, its trace is dropped."""
+    import shutil
+    shutil.rmtree(pdir, ignore_errors=True)
+    os.makedirs(pdir)
+    cfg = eng.EngineConfig(profile_dir=pdir, **config)
+    f = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, plan.shape, scale=D ** -0.5,
+                                              config=cfg))
+    jax.block_until_ready(f(*args))
+    for p in os.listdir(pdir):
+        os.remove(os.path.join(pdir, p))
+    jax.block_until_ready(f(*args))
+    return prof.latest_trace(pdir)
+
+
 def calibration(a, argv):
     """Profiles the fused engine on decode-only batches and fits ``critical_wave.Params``."""
-    import shutil
     from liquidcp_jax.megadcp import calibrate as cal
     try:
         jax.devices("cpu")
@@ -589,35 +604,18 @@ def calibration(a, argv):
         hist, ql = synthetic(n_req, 2 * G * 8192, 100 + b)
         t = build_tables(hist, ql, 1, hq)
         plan = et.pack_engine(t, 0, num_ctas=G)
-        shutil.rmtree(pdir, ignore_errors=True)
-        os.makedirs(pdir)
-        cfg = eng.EngineConfig(profile_dir=pdir)
         s = plan.shape
         mk = lambda *sh: jnp.asarray(rng.standard_normal(sh), DTYPE)  # noqa: E731
         q = mk(s.tq_cap, hq, D)
         args = (q, q, mk(s.tq_cap, D), mk(s.tq_cap, D), mk(s.hist_rows, D), mk(s.hist_rows, D))
-        f = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, s, scale=D ** -0.5, config=cfg))
-        jax.block_until_ready(f(*args))        # compile + a cold run (its trace is dropped)
-        for p in os.listdir(pdir):
-            os.remove(os.path.join(pdir, p))
-        jax.block_until_ready(f(*args))        # the profiled run
+        trace = profiled_trace(plan, args, pdir)
         clock = a.clock_ghz or sm_clock_ghz() or 1.98
-        fields, cin, (attn, red, tiles, splits, inp) = calibration_record(
-            prof.latest_trace(pdir), plan, t, G, clock)
+        fields, cin, (attn, red, tiles, splits, inp) = calibration_record(trace, plan, t, G, clock)
         # The same tables on the staged engine, its reduction launch profiled: the merge code
         # without counters (its merges ran 3-5x faster than the fused kernel's, results.md).
         # A failure here is the row's note; the fused figures above still count.
         try:
-            shutil.rmtree(pdir, ignore_errors=True)
-            os.makedirs(pdir)
-            cfg_s = eng.EngineConfig(fused=False, profile_dir=pdir)
-            fs = jax.jit(lambda *x: eng.megadcp_engine(*x, plan.tables, s, scale=D ** -0.5,
-                                                       config=cfg_s))
-            jax.block_until_ready(fs(*args))
-            for p in os.listdir(pdir):
-                os.remove(os.path.join(pdir, p))
-            jax.block_until_ready(fs(*args))
-            fields.update(staged_record(prof.latest_trace(pdir), plan, clock))
+            fields.update(staged_record(profiled_trace(plan, args, pdir, fused=False), plan, clock))
         except Exception as e:  # noqa: BLE001
             fields["staged_items_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         path = os.path.join(os.path.dirname(os.path.abspath(a.out)),

@@ -275,3 +275,32 @@ def test_calibration_record_from_a_trace():
         assert sf["staged_merge_fit"]["per_input_us"] == pytest.approx(1.5, rel=1e-3)
     assert "staged engine's reduction launch" in bench.staged_record(trace, plan, 2.0)[
         "staged_items_error"]
+
+
+def test_profiled_trace_keeps_the_warm_runs_trace(tmp_path, monkeypatch):
+    """``--calibrate``'s runs: the engine is called twice with ``profile_dir`` set (and the
+    caller's other config fields); the cold run's trace is dropped, the warm run's returned."""
+    from benchmarks import megadcp_engine as bench
+    calls = []
+
+    runs = []
+
+    def write():   # as the profiler does: from a host callback after each launch
+        runs.append(1)
+        (tmp_path / "p" / f"run{len(runs)}.json").write_text("{}")
+
+    def fake_engine(*x, config, **kw):
+        calls.append(config)
+        jax.debug.callback(write)
+        return x[0] + 1
+
+    monkeypatch.setattr(bench.eng, "megadcp_engine", fake_engine)
+    plan = et.pack_engine(build_tables([900, 40], [16, 3], 1, 8), 0, num_ctas=2)
+    pdir = str(tmp_path / "p")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "stale.json").write_text("{}")
+    trace = bench.profiled_trace(plan, (jnp.zeros(3),), pdir, fused=False)
+    assert trace.endswith("run2.json") and sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "run2.json"]
+    assert [(c.fused, c.profile_dir) for c in calls] == [(False, pdir)]   # traced once
+    assert len(runs) == 2

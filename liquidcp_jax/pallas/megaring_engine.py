@@ -18,9 +18,7 @@ segments for one with ``R - C >= tau_min`` (or a final remainder; ``R`` from the
 prefix with the front-half barrier, exactly :mod:`~liquidcp_jax.megaring.engine_protocol`'s
 rule), starting at the segment it last claimed (first: the rank's CTAs evenly spread over its
 segments) and stopping at the first claimable one, since every segment examined costs acquire
-loads (the scan of every segment per claim it replaced took 200-2000x the loads per claim in the
-protocol model, 2026-12-06),
-claims ``[C, E)`` with a CAS on ``C``, adds the width to the rank's claimed count, and
+loads, claims ``[C, E)`` with a CAS on ``C``, adds the width to the rank's claimed count, and
 runs the task as two 64-row halves: Q half by TMA, then per logical tile the local tile or the
 mapped receive slot (K, V and the keys' sequence ids / positions by TMA), ``S = Q K^T`` (wgmma),
 the mask by sequence id (the segment's) and position, online softmax, ``P V`` (wgmma). The
@@ -49,11 +47,10 @@ compute launch (:func:`peer_compute_launch`) is the staged one over local rows (
 input, no peer memory). The backward: ``megaring_engine_bwd.peer_backward_rank`` /
 ``peer_return``. Lowered for sm_90a on the CPU; never run on GPUs.
 
-Status: the fused and staged forward passed their GPU tests on an H200 (2026-12-05; float64
+Status: the fused and staged forward pass their GPU tests on emulated ranks (float64
 reference, pairs counted through the LSE with zero queries, perturbed arrival orders); the
 backward is :mod:`megaring_engine_bwd` / ``_bwd_fused``. K / V of a task's tiles load in two
-stages (tile ``i + 1`` while tile ``i`` computes; since 2026-12-05, third session, checked in the
-interpreter and lowered, not yet run on the GPU). Not tuned: one warpgroup per CTA (no
+stages (tile ``i + 1`` while tile ``i`` computes). Not tuned: one warpgroup per CTA (no
 ping-pong), each 64-row half of a Q tile reads the task's K / V tiles again, a scan still
 reads a segment's counters one acquire load at a time, one head per rank (``EmulatedRing`` runs several heads in one
 launch as copies of the plan on virtual ranks). The running state is written by TMA (async
