@@ -144,7 +144,8 @@ def plan_variants(hist, ql, P, hq, G):
     tiles0 = (-(-local0 // 128)).tolist()
     fa3 = fa3_reference_splits(tiles0, list(ql), heads=P * hq, num_sms=G,
                                history_tokens=local0.tolist())
-    return {"cw": build_tables(hist, ql, P, hq, params=cw.Params.engine(G)),
+    return {"cw": build_tables(hist, ql, P, hq, params=cw.Params.engine(G),
+                               merge_run=cw.ENGINE_MERGE_RUN),
             "cw32": build_tables(hist, ql, P, hq, params=cw.Params.h100(G)),
             "fa3": build_tables(hist, ql, P, hq, splits=fa3)}
 

@@ -42,21 +42,27 @@ def test_plan_engine_tables_and_pytree():
 
 def test_engine_plans_splits_with_engine_params():
     """With engine tables and no ``params``, the splits are the planner's under
-    ``Params.engine(grid)``; without the engine, under ``Params.h100()``; ``params`` wins."""
+    ``Params.engine(grid)`` with the engine's merge items (``ENGINE_MERGE_RUN`` rows, which are
+    the engine's query tile); without the engine, under ``Params.h100()``; ``params`` wins."""
     from liquidcp_jax.megadcp import critical_wave as cw
     from liquidcp_jax.megadcp.tables import build_descriptor_tables
-    hist, ql = [30_000, 30_000, 2_000], [16, 16, 4_000]   # a mixed step: (3, 3, 1) vs (2, 2, 1)
+    from liquidcp_jax.pallas import megadcp_engine_tables as et
+    assert cw.ENGINE_MERGE_RUN == et.TILE_ROWS
+    hist, ql = [30_000, 30_000, 2_000], [16, 16, 4_000]   # a mixed step
     cfg = eng.EngineConfig(num_ctas=132)
-    splits = lambda plan: plan.host.tables.plan.splits  # noqa: E731
-    want = lambda p: build_descriptor_tables(hist, ql, 1, 8, params=p).plan.splits  # noqa: E731
+    splits = lambda plan: list(plan.host.tables.plan.splits)  # noqa: E731
+    want = lambda p, run=1: list(build_descriptor_tables(  # noqa: E731
+        hist, ql, 1, 8, params=p, merge_run=run).plan.splits)
     on = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=cfg)
     off = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=False)
     mine = lcp.plan_megadcp(hist, ql, _mesh(1), num_q_heads=8, engine=True, engine_config=cfg,
                             params=cw.Params.h100())
-    assert list(splits(on)) == list(want(cw.Params.engine(132)))
-    assert list(splits(off)) == list(splits(mine)) == list(want(cw.Params.h100()))
-    assert list(splits(on)) != list(splits(off))   # the case tells the two models apart
-    assert cw.Params.engine().delta_attn < cw.Params.h100().delta_attn
+    assert splits(on) == want(cw.Params.engine(132), cw.ENGINE_MERGE_RUN)
+    assert on.host.tables.merge_run == mine.host.tables.merge_run == cw.ENGINE_MERGE_RUN
+    assert splits(off) == want(cw.Params.h100())
+    assert splits(mine) == want(cw.Params.h100(), cw.ENGINE_MERGE_RUN)
+    assert splits(on) != splits(off)   # the case tells the two models apart
+    assert cw.Params.engine().warps_per_cta == 1   # one reduction item at a time per CTA
 
 
 def test_backend_selection_and_errors(rng):

@@ -52,6 +52,9 @@ from liquidcp_jax.megadcp.fa3 import (fa3_dynamic_splits, fa3_num_splits,  # noq
 from liquidcp_jax.validation import int_vector
 
 ORDERS = ("fifo", "lpt")
+# Output vectors the GPU engine merges as one reduction item: one query tile's rows
+# (pallas.megadcp_engine_tables.TILE_ROWS; a test checks that they agree).
+ENGINE_MERGE_RUN = 128
 ENGINES = ("auto", "native", "python")
 
 try:  # the compiled simulator and search, built by `pip install` (setuptools ext-modules)
@@ -130,10 +133,14 @@ class Params:
 
     @classmethod
     def engine(cls, num_ctas: int = 132) -> "Params":
-        """Plans for this library's GPU engine (``backend="pallas"``): Table 2 with a per-task
-        overhead of 4 tile-times instead of the paper engine's 32 (a task starts with one TMA
-        load; docs/decisions.md has the measurements), until a calibration replaces it."""
-        return dataclasses.replace(cls.h100(num_ctas), delta_attn=4.0)
+        """Plans for this library's GPU engine (``backend="pallas"``), calibrated on an H100
+        (docs/decisions.md): attention from per-CTA busy times (``calibrate_batches``), the
+        reduction from per-item merge profiles (2.5 µs per item plus 0.6 µs per merged input).
+        One reduction lane per CTA: the engine merges a query tile's splits on one CTA as one
+        item, so plan with ``merge_run=ENGINE_MERGE_RUN``."""
+        return cls.from_calibration(num_ctas=num_ctas, time_unit_us=2.607, rho=0.69,
+                                    delta_attn=3.0, delta_red_us=2.5,
+                                    gamma_us=0.6 / ENGINE_MERGE_RUN, warps_per_cta=1)
 
     @classmethod
     def from_calibration(cls, *, num_ctas: int, time_unit_us: float, rho: float, delta_attn: float,

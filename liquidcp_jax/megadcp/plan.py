@@ -205,7 +205,8 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
       tile: KV tokens per tile; rows_per_tile: query rows (token-head pairs) per attention tile.
       params: critical-wave parameters of the split planner (default: when the engine's tables
         are packed and ``splits`` is None, ``Params.engine(engine_config.grid())``, else
-        ``Params.h100()``).
+        ``Params.h100()``). With engine tables the planner models the engine's reductions: one
+        item per query tile (``merge_run=critical_wave.ENGINE_MERGE_RUN``).
       splits: ``(S,)`` fixed KV split counts (skips the planner; each ``<= max(1, rank-0 tiles)``).
       num_comm_ctas: communication CTAs ``M`` (transfer epochs of the GPU engine).
       min_capacity: smallest table capacity; capacities: per-table floors (``plan.capacity``).
@@ -243,8 +244,10 @@ def plan_megadcp(history_lengths: Sequence[int], query_lengths: Sequence[int], m
     if params is None and engine and splits is None:
         cfg = engine_config if isinstance(engine_config, engine_op.eng.EngineConfig) else None
         params = cw.Params.engine((cfg or engine_op.eng.EngineConfig()).grid())
+    # The engine merges each query tile's splits as one item on one CTA: the planner models that.
     t = build_descriptor_tables(hist, qlen, Pn, hq, params=params, tile=tile,
                                 rows_per_tile=rows_per_tile, splits=splits,
+                                merge_run=cw.ENGINE_MERGE_RUN if engine else 1,
                                 num_comm_ctas=num_comm_ctas, min_capacity=min_capacity,
                                 capacities={k: v for k, v in caps.items() if k in _TABLE_KEYS})
     tables, pair_caps = build_exec_tables(t, caps, min_capacity)
