@@ -645,11 +645,12 @@ def calibration(a, argv):
 
 
 def pack_timing(a, argv):
-    """Host time of planning (``build_tables``) and packing (``pack_engine``, rank 0) per step:
+    """Host time of planning (``build_tables`` with the engine's ``Params``) and packing (``pack_engine``, rank 0) per step:
     each step's best of ``--pack-repeats`` runs (this host is shared), percentiles over steps."""
     report = H.Report("benchmarks.megadcp_engine --pack-only", a.out, argv, devices=False,
                       loadavg_start=os.getloadavg()[0])
     snaps = mooncake_cases(a.mooncake)
+    params = cw.Params.engine(132)   # as plan_megadcp plans for the engine
     for P in MOONCAKE_DCP:
         for kind in ("decode", "mixed"):
             tp, tk = [], []
@@ -659,7 +660,8 @@ def pack_timing(a, argv):
                 best = [math.inf, math.inf]
                 for _ in range(a.pack_repeats):   # best of n: a step's cost without preemption
                     t0 = time.perf_counter()
-                    t = build_tables(h, q, P, MOONCAKE_HQ)
+                    t = build_tables(h, q, P, MOONCAKE_HQ, params=params,
+                                     merge_run=cw.ENGINE_MERGE_RUN)
                     t1 = time.perf_counter()
                     et.pack_engine(t, 0, num_ctas=132)
                     best = [min(best[0], t1 - t0), min(best[1], time.perf_counter() - t1)]
