@@ -548,7 +548,8 @@ def calibration_record(trace, plan, t, num_ctas: int, clock: float):
         fields["reduction_items_error"] = str(e)
     inp = prof.model_inputs(t)
     tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
-    cin = prof.calibration_input(attn, red, tiles, splits, num_ctas, **inp)
+    cin = prof.calibration_input(attn, red, tiles, splits, num_ctas, **inp,
+                                 warps_per_cta=cw.Params.engine(num_ctas).warps_per_cta)
     return fields, cin, (attn, red, tiles, splits, inp)
 
 
@@ -628,7 +629,8 @@ def calibration(a, argv):
         msg = ""
         if a.fit:   # minutes of host time: on the device machine, rather fit the inputs later
             t0 = time.perf_counter()
-            params, rmse = cal.calibrate(attn, red, tiles, splits, num_ctas=G, **inp)
+            params, rmse = cal.calibrate(attn, red, tiles, splits, num_ctas=G, **inp,
+                                         warps_per_cta=cw.Params.engine(G).warps_per_cta)
             names = ("rho", "delta_attn", "delta_red", "gamma", "time_unit_us")
             row.update(params={k: getattr(params, k) for k in names}, rmse_us=rmse,
                        fit_s=time.perf_counter() - t0)

@@ -114,6 +114,8 @@ def test_model_inputs_feed_the_calibration(tmp_path, monkeypatch, capsys):
     t = build_tables(hist, [16] * 12, 1, 8)
     inp = prof.model_inputs(t)
     assert len(inp["history_tiles"]) == 12 and inp["vectors"] == [16 * 8] * 12
+    # the engine's reductions, not the plan's runs: one item per 128-row query tile
+    assert inp["copy_run"] == inp["merge_run"] == cw.ENGINE_MERGE_RUN != t.merge_run
     true = cw.Params(num_ctas=6, rho=0.6, delta_attn=5.0, delta_red=0.0, gamma=0.0,
                      warps_per_cta=12, time_unit_us=0.25)
     tiles, splits = inp.pop("history_tiles"), inp.pop("splits")
@@ -258,6 +260,7 @@ def test_calibration_record_from_a_trace():
     fields, cin, (attn, red, tiles, splits, inp) = bench.calibration_record(trace, plan, t, G, 2.0)
     assert fields["reduction_items"]["n_in"] == n_in.tolist()
     assert len(cin["attention_busy_us"]) == G and (attn > 0).all()
+    assert cin["warps_per_cta"] == 1 and cin["merge_run"] == 128   # fitted as the engine runs
     if np.unique(n_in).size > 1:
         assert fields["merge_fit"]["per_input_us"] == pytest.approx(1.5, rel=1e-3)
     # a trace without the item regions still gives the busy times, and says why the items lack

@@ -198,7 +198,10 @@ def model_inputs(t, rank: int = 0) -> dict:
     """The critical-wave model's description of rank ``rank``'s share of the step ``t``
     (``megadcp.tables.DcpTables``): ``history_tiles``, ``splits``, ``vectors`` (query tokens x
     heads), ``query_tiles``, ``order`` / ``epochs`` and the reduction runs, i.e. the positional and
-    keyword arguments :func:`liquidcp_jax.megadcp.calibrate.calibrate` passes to the simulator."""
+    keyword arguments :func:`liquidcp_jax.megadcp.calibrate.calibrate` passes to the simulator.
+    The runs are the engine's, whatever the plan's: one reduction item per query tile of
+    ``ENGINE_MERGE_RUN`` rows (fit with ``warps_per_cta`` 1: one item at a time per CTA)."""
+    from liquidcp_jax.megadcp.critical_wave import ENGINE_MERGE_RUN
     S = int(t.num_requests)
     local = np.asarray(t.req_local_len[int(rank), :S], np.int64)
     q = np.asarray(t.req_query[:S], np.int64)
@@ -206,7 +209,7 @@ def model_inputs(t, rank: int = 0) -> dict:
            "splits": [int(x) for x in t.plan.splits],
            "vectors": (q * int(t.heads)).tolist(),
            "query_tiles": (-(-q // int(t.q_tile_tokens))).tolist(),
-           "order": t.plan.order, "copy_run": int(t.copy_run), "merge_run": int(t.merge_run)}
+           "order": t.plan.order, "copy_run": ENGINE_MERGE_RUN, "merge_run": ENGINE_MERGE_RUN}
     if t.plan.epochs is not None:
         out["epochs"] = [int(x) for x in t.plan.epochs]
     return out
