@@ -252,6 +252,17 @@ def time_round_robin(fns: Mapping[str, tuple[Callable, tuple]], reps: int, warmu
     return out
 
 
+def sm_clock_ghz():
+    """The GPU's current SM clock from nvidia-smi (None where it cannot be read): converts the
+    on-device profiler's cycle stamps to time."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return float(out.split()[0]) / 1e3
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def error_text(e: BaseException, limit: int = 400) -> str:
     return f"{type(e).__name__}: {str(e)[:limit]}"
 

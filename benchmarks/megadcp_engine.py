@@ -514,17 +514,6 @@ def parse_configs(ap, text: str) -> list[tuple[int, int]]:
     return out
 
 
-def sm_clock_ghz():
-    """The GPU's current SM clock from nvidia-smi (None where it cannot be read)."""
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return float(out.split()[0]) / 1e3
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
 def calibration_record(trace, plan, t, num_ctas: int, clock: float):
     """What one profiled launch of ``plan`` (the tables of ``t``) says: ``(row fields, the input
     of ``liquidcp calibrate``, (attention busy, reduction busy, history tiles, splits, the other
@@ -611,7 +600,7 @@ def calibration(a, argv):
         q = mk(s.tq_cap, hq, D)
         args = (q, q, mk(s.tq_cap, D), mk(s.tq_cap, D), mk(s.hist_rows, D), mk(s.hist_rows, D))
         trace = profiled_trace(plan, args, pdir)
-        clock = a.clock_ghz or sm_clock_ghz() or 1.98
+        clock = a.clock_ghz or H.sm_clock_ghz() or 1.98
         fields, cin, (attn, red, tiles, splits, inp) = calibration_record(trace, plan, t, G, clock)
         # The same tables on the staged engine, its reduction launch profiled: the merge code
         # without counters (its merges ran 3-5x faster than the fused kernel's, results.md).

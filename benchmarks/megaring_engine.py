@@ -26,6 +26,7 @@ over the launch time (the engine steps: all ``P`` ranks share the GPU in one lau
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
         [--steps fused,fused_tau1,staged,segment_ring,fused_merge] [--reps 10] [--budget-s S] [--out PATH]
+        [--profile DIR]    # also: each engine step's forward under the profiler, per-CTA breakdown
     python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens, 2 heads
 
 On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
@@ -76,18 +77,46 @@ def _fb(fwd, bwd):
     return run
 
 
-def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool):
+def ctas_per_rank(tb, geom, num_sms: int) -> int:
+    """CTAs per (virtual) rank of the engine steps: the SMs shared evenly (the fused launches
+    raise if ranks x this exceeds the SMs)."""
+    return max(num_sms // geom.num_ranks, tb.comm_per_rank + 1)
+
+
+def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool,
+               profile_dir: str | None = None):
     """The engine steps as ``{name: (forward(q, k, v) -> (out, lse), backward(q, k, v, out, lse,
-    do) -> (dq, dk, dv))}`` over the geometry's (virtual) ranks: every head in one launch."""
+    do) -> (dq, dk, dv))}`` over the geometry's (virtual) ranks: every head in one launch
+    (``profile_dir``: the forwards' compute launches write their profiles there)."""
     from liquidcp_jax.megaring import engine_protocol as ep
     from liquidcp_jax.megaring.emulated import engine_launches
-    P = geom.num_ranks   # heads * ranks; the fused launches raise if P * cpr exceeds the SMs
-    cpr = max(num_sms // P, tb.comm_per_rank + 1)
     sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
-    kw = dict(scale=scale, ctas_per_rank=cpr)
+    kw = dict(scale=scale, ctas_per_rank=ctas_per_rank(tb, geom, num_sms), profile_dir=profile_dir)
     return {"staged": engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw),
             "fused_tau1": engine_launches("fused", tb1, geom, **kw),
             "fused": engine_launches("fused", tb, geom, **kw)}
+
+
+def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, root: str) -> dict:
+    """One profiled forward of an engine step (traces under ``root/step``): per region of
+    ``megaring_engine.PROFILE_REGIONS`` plus ``ring_scan``, the mean and max over the launch's
+    CTAs of its time per CTA (µs), and the mean entries per CTA (task halves for the tiles)."""
+    import os
+    import jax
+    from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import profile_trace
+    d = os.path.join(root, step)
+    os.makedirs(d, exist_ok=True)
+    f = jax.jit(engine_fns(tb, tb1, geom, scale, num_sms, False, profile_dir=d)[step][0])
+    for _ in range(2):   # the second launch's trace: compiled and warm
+        jax.block_until_ready(f(*args))
+    G = geom.num_ranks * ctas_per_rank(tb, geom, num_sms)
+    br = me.profile_breakdown(profile_trace.latest_trace(d), G, H.sm_clock_ghz() or 1.98)
+    out = {name: {"mean_us": round(float(v.mean()), 2), "max_us": round(float(v.max()), 2)}
+           for name, v in br.items() if not name.endswith("_count")}
+    out["entries_per_cta"] = {name[:-6]: round(float(v.mean()), 2)
+                              for name, v in br.items() if name.endswith("_count")}
+    return out
 
 
 def measure(case: H.Case, a, num_sms: int) -> list[dict]:
@@ -208,6 +237,13 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                         fb_ms = H.time_fn(fb, flat(qc), flat(kc), flat(vc), flat(doc),
                                           reps=a.reps).median_ms
                         row.update(fb_ms=round(fb_ms, 4), fb_efficiency=round(one_fb_ms / fb_ms, 3))
+                if a.profile and not a.interpret:
+                    pr = profile_step(step, tbh, tbh1, gh, scale, num_sms,
+                                      (flat(qc), flat(kc), flat(vc)), a.profile)
+                    row["profile"] = pr
+                    print(f"    {step} profile, us per CTA (mean / max): " + ", ".join(
+                        f"{n[5:]} {v['mean_us']:.0f} / {v['max_us']:.0f}" for n, v in pr.items()
+                        if n != "entries_per_cta"), flush=True)
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
             row["error"] = H.error_text(e)
         rows.append(row)
@@ -231,6 +267,9 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="check the engine steps vs float64")
     ap.add_argument("--fwd-only", dest="bwd", action="store_false",
                     help="time the forward only (default: also forward+backward)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="also run each engine step's forward once under Mosaic GPU's profiler "
+                         "(traces in DIR) and record where its CTAs' time goes")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens, 2 heads")
     H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)

@@ -171,8 +171,9 @@ def test_megaring_engine_ablation_smoke(tmp_path):
     interpreter, checked against float64 inside."""
     from benchmarks import megaring_engine
     out = tmp_path / "ring.json"
-    megaring_engine.main(["--interpret", "--out", str(out)])
+    megaring_engine.main(["--interpret", "--out", str(out), "--profile", str(tmp_path / "p")])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["step"] == "staged" and "error" not in row, row
     assert row["rel_error"] < 2e-2 and row["ranks"] == 4 and row["num_seqs"] > 1
     assert row["heads"] == 2
+    assert "profile" not in row   # the profiler runs on a GPU only (the interpreter has none)

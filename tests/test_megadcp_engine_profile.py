@@ -2,20 +2,19 @@
 the profiler's buffer, and per-CTA busy times are read back from a trace in the profiler's own
 format (written by Mosaic GPU's ``ProfilerSpec.dump`` from a buffer laid out as the device
 writes it)."""
-import io
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 
 from liquidcp_jax.pallas import megadcp_engine as eng
 from liquidcp_jax.pallas import megadcp_engine_profile as prof
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 
 from _engine_cases import build_tables
+from _profiler_traces import profiler_trace
 
 
 def test_profiled_engine_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
@@ -50,28 +49,8 @@ def test_profiled_engine_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
         eng.EngineConfig(profile_dir="")
 
 
-def _events_buffer(spec, events, start_ns=1000):
-    """The profiler's GMEM buffer as the device leaves it: per (CTA, warpgroup) a header (start
-    time, SM id, entries used) then (tag, %clock) pairs. ``events[(cta, wg)]`` lists
-    ``(name, "B" or "E", cycle)`` in the order the device records them (regions may nest)."""
-    G = 1 + max(c for c, _ in events)
-    buf = np.zeros((G, prof.NUM_WARPGROUPS, spec.entries_per_warpgroup), np.uint32)
-    for (c, wg), evs in events.items():
-        ev = []
-        for name, ph, t in evs:
-            ev += [(spec.ENTER if ph == "B" else spec.EXIT) | spec.intern_name(name), t]
-        buf[c, wg, :3] = (start_ns + 7 * c, c, len(ev))
-        buf[c, wg, 3:3 + len(ev)] = ev
-    return buf.reshape(-1), G
-
-
 def _trace(events):
-    """The Chrome trace Mosaic GPU's ``ProfilerSpec.dump`` writes from that buffer."""
-    spec = mgpu_profiler.ProfilerSpec(4 * prof.PROFILE_SPACE)
-    buf, G = _events_buffer(spec, events)
-    f = io.StringIO()
-    spec.dump(buf, f, grid=(G, 1, 1), block=(128 * prof.NUM_WARPGROUPS, 1, 1))
-    return json.loads(f.getvalue())
+    return profiler_trace(events, prof.PROFILE_SPACE, prof.NUM_WARPGROUPS)
 
 
 def test_busy_times_from_a_profiler_trace():

@@ -285,3 +285,73 @@ def test_engine_from_plan_megaring_lowers(mesh8):
     f = jax.jit(lambda q, k, v: me.forward_launch(q, k, v, tb, g, scale=0.1, ctas_per_rank=16))
     txt = f.trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+def test_profiled_forward_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
+    """Profile mode: the fused launch and the staged compute launch carry the profiler's buffer
+    (``PROFILE_SPACE`` regions per CTA); without ``profile_dir`` no launch does."""
+    # Lowering for CUDA on the CPU cannot emit the host callback that writes the trace.
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
+    args, comm, ctas, d, dtype = FWD_CASES[0]
+    _, tb, g = _plan(*args, comm)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), dtype)
+
+    def calls(f):
+        txt = jax.jit(f).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+        return [x for x in txt.splitlines() if "custom_call @mosaic_gpu" in x]
+
+    buf = lambda G: f"tensor<{G * 4 * me.PROFILE_SPACE}xui32>"  # noqa: E731
+    for pdir in (None, str(tmp_path)):
+        (call,) = calls(lambda q, k, v: me.forward_launch(q, k, v, tb, g, scale=0.1,
+                                                          ctas_per_rank=ctas, profile_dir=pdir))
+        assert (buf(g.num_ranks * ctas) in call) == (pdir is not None)
+        assert ("ui32>" in call) == (pdir is not None)
+    staged = calls(lambda q, k, v: me.forward_staged(q, k, v, tb, g, scale=0.1, num_ctas=8,
+                                                     profile_dir=str(tmp_path)))
+    assert len(staged) == 3 and buf(8) in staged[2]   # the two transfer launches: unprofiled
+    assert not any("ui32>" in x for x in staged[:2])
+    q = jnp.zeros((g.num_ranks * g.rows, d), dtype)
+    with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
+        me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=ctas, profile_dir="")
+
+
+def test_profile_breakdown_from_a_profiler_trace():
+    """Per-CTA region totals from a trace in the profiler's format: tasks' tiles, lock waits and
+    merges summed over their halves, the scan time the rest of the compute phase."""
+    from _profiler_traces import profiler_trace
+    rng = np.random.default_rng(3)
+    G, clock = 4, 1.8
+    want = {name: np.zeros(G) for name in me.PROFILE_REGIONS + ("ring_scan",)}
+    events = {}
+    for c in range(G):
+        t, ev = 10, []
+        if c < 2:   # workers transfer first
+            dt = int(rng.integers(20_000, 90_000))
+            ev += [("ring_comm", "B", t), ("ring_comm", "E", t + dt)]
+            want["ring_comm"][c] = dt
+            t += dt + 10
+        ev.append(("ring_compute", "B", t))
+        t0 = t
+        for _ in range(int(rng.integers(1, 6))):   # task halves, each after a scan
+            scan = int(rng.integers(1_000, 30_000))
+            t += scan
+            want["ring_scan"][c] += scan
+            for name in ("ring_tiles", "ring_lock", "ring_merge"):
+                dt = int(rng.integers(5_000, 60_000))
+                ev += [(name, "B", t), (name, "E", t + dt)]
+                want[name][c] += dt
+                t += dt + 10
+                want["ring_scan"][c] += 10
+        ev.append(("ring_compute", "E", t))
+        want["ring_compute"][c] = t - t0
+        events[(c, 0)] = ev
+    got = me.profile_breakdown(profiler_trace(events, me.PROFILE_SPACE, 1), G, clock)
+    for name, w in want.items():   # kilocycles -> µs; the profiler's own cost is a few cycles
+        np.testing.assert_allclose(got[name], w / 1e3 / clock, rtol=0, atol=0.2)
+    assert got["ring_comm_count"].tolist() == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="clock_ghz"):
+        me.profile_breakdown(profiler_trace(events, me.PROFILE_SPACE, 1), G, 0)
+    full = {(0, 0): [e for i in range(me.PROFILE_SPACE - 1)
+                     for e in (("ring_tiles", "B", 10 * i), ("ring_tiles", "E", 10 * i + 5))]}
+    with pytest.raises(ValueError, match="filled its profile space"):
+        me.profile_breakdown(profiler_trace(full, me.PROFILE_SPACE, 1), 1, clock)

@@ -22,12 +22,11 @@ the same merge code without counters, so the two modes' merge costs compare dire
 """
 from __future__ import annotations
 
-import glob
-import json
-import os
 from typing import Sequence
 
 import numpy as np
+
+from liquidcp_jax.pallas import profile_trace
 
 ATTENTION, REDUCTION = "attention", "reduction"   # the engine's named regions
 # Inside ``reduction``, per reduction item: the wait for its inputs' counters, then its merge
@@ -41,13 +40,8 @@ NUM_WARPGROUPS = 3
 PROFILE_SPACE = 24
 
 
-def latest_trace(profile_dir: str) -> str:
-    """The newest Chrome trace the profiler wrote into ``profile_dir``."""
-    paths = glob.glob(os.path.join(profile_dir, "*.json"))
-    if not paths:
-        raise ValueError(f"profile_dir {profile_dir!r} holds no profiler trace (*.json); run the "
-                         f"engine with EngineConfig(profile_dir=...) on a GPU first")
-    return max(paths, key=os.path.getmtime)
+latest_trace = profile_trace.latest_trace
+_check_clock = profile_trace.check_clock
 
 
 def busy_from_trace(trace, num_ctas: int, clock_ghz: float) -> tuple[np.ndarray, np.ndarray]:
@@ -96,37 +90,9 @@ def _check_clock(clock_ghz):
 
 
 def _regions(trace, num_ctas: int) -> dict:
-    """``{(cta, warpgroup): [(name, enter, exit or None), ...]}`` in entry order (kilocycles),
-    from the profiler's Chrome trace (a path or its parsed JSON). A warpgroup that used every
-    region of its space may have lost later ones (``profile_bounds_check`` drops them, and the
-    dump closes open regions where the trace stops): that is an error, never a short answer."""
-    if isinstance(trace, (str, os.PathLike)):
-        with open(trace, encoding="utf-8") as f:
-            trace = json.load(f)
-    out, open_ = {}, {}
-    for ev in trace.get("traceEvents", ()):
-        if ev.get("ph") not in ("B", "E") or "tid" not in ev:
-            continue
-        cta, wg = divmod(int(ev["tid"]) - 1, NUM_WARPGROUPS)
-        if not 0 <= cta < num_ctas:
-            raise ValueError(f"the trace has CTA {cta}, outside num_ctas={num_ctas}")
-        regions = out.setdefault((cta, wg), [])
-        stack = open_.setdefault((cta, wg), [])
-        if ev["ph"] == "B":
-            regions.append([ev["name"], float(ev["ts"]), None])
-            stack.append(len(regions) - 1)
-        else:   # regions nest: an exit closes the innermost open region of its name
-            for j in reversed(range(len(stack))):
-                if regions[stack[j]][0] == ev["name"]:
-                    regions[stack.pop(j)][2] = float(ev["ts"])
-                    break
-    for (cta, wg), regions in out.items():
-        if len(regions) >= PROFILE_SPACE - 1:
-            raise ValueError(f"CTA {cta} warpgroup {wg} filled its profile space "
-                             f"({len(regions)} regions of PROFILE_SPACE - 1 = {PROFILE_SPACE - 1}):"
-                             f" the trace may be truncated; raise PROFILE_SPACE or give the CTAs "
-                             f"fewer reduction items")
-    return {k: [tuple(r) for r in v] for k, v in out.items()}
+    """:func:`profile_trace.regions` of the engine's trace (three warpgroups per CTA)."""
+    return profile_trace.regions(trace, num_ctas, NUM_WARPGROUPS, PROFILE_SPACE,
+                                 hint="raise PROFILE_SPACE or give the CTAs fewer reduction items")
 
 
 def reduction_items_from_trace(trace, items_per_cta: Sequence[int], clock_ghz: float,

@@ -75,6 +75,40 @@ from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, PeerTransp
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
+# Profile mode (``profile_dir=``): the forward's named regions, per CTA (one warpgroup). Compute
+# minus tiles, lock and merge is the time spent scanning for claims and waiting for arrivals.
+RING_COMM = "ring_comm"         # a worker's transfers and inserts (fused)
+RING_COMPUTE = "ring_compute"   # the whole compute phase: claims and tasks
+RING_TILES = "ring_tiles"       # per task half: Q load, its K / V tiles, normalisation
+RING_LOCK = "ring_lock"         # per task half: waiting for the (Q tile, half) lock (fused)
+RING_MERGE = "ring_merge"       # per task half: running-state loads, merge, stores, release
+PROFILE_REGIONS = (RING_COMM, RING_COMPUTE, RING_TILES, RING_LOCK, RING_MERGE)
+# Profiler slots per CTA (16 bytes of SMEM each: 24 KiB, inside what tiles of 128 leave at D =
+# 128): 2 phases + 3 regions per task half, ~510 halves; a CTA past it fails the read.
+PROFILE_SPACE = 1536
+
+
+def _check_profile_dir(profile_dir):
+    if profile_dir is not None and (not isinstance(profile_dir, str) or not profile_dir):
+        raise ValueError(f"profile_dir must be None or a directory path, got {profile_dir!r}")
+    return profile_dir
+
+
+def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
+    """Per CTA of a profiled forward launch, µs: ``{region: float64[num_ctas]}`` for
+    :data:`PROFILE_REGIONS` plus ``"ring_scan"`` (compute minus its tasks' tiles, lock waits and
+    merges: claim scans and waiting for arrivals) and ``"<region>_count"`` (entries).
+    ``trace``: the Chrome trace (a path or its JSON) of a launch with ``num_ctas`` CTAs."""
+    from liquidcp_jax.pallas import profile_trace
+    tot = profile_trace.region_totals(
+        trace, num_ctas, clock_ghz, PROFILE_REGIONS, num_warpgroups=1, space=PROFILE_SPACE,
+        hint="raise megaring_engine.PROFILE_SPACE or profile a smaller plan")
+    out = {name: t for name, (t, _) in tot.items()}
+    out.update({f"{name}_count": c for name, (_, c) in tot.items()})
+    out["ring_scan"] = np.maximum(
+        out[RING_COMPUTE] - out[RING_TILES] - out[RING_LOCK] - out[RING_MERGE], 0.0)
+    return out
+
 
 def relay_tile(k, rows_ref, i, src_ref, recv_ref, buf, bar, B: int):
     """A transfer worker's ``k``-th tile, list row ``i``: ``B`` rows of ``src_ref`` from
@@ -386,7 +420,8 @@ _FWD_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_lo
 @functools.lru_cache(maxsize=16)
 def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype_name: str,
                    scale: float, n_streams: int, map_size: int, n_seg: int, staged: bool = False,
-                   interpret: bool = False, peer_axis: str | None = None):
+                   interpret: bool = False, peer_axis: str | None = None,
+                   profile_dir: str | None = None):
     """The forward compute launch. Fused: ``G = P * K`` CTAs, CTAs ``0 .. P*W - 1`` are workers
     (their transfers with inserts, then compute), the rest compute; claims, locks and counters
     on the device. Staged (``K`` = the grid): static task lists ``(segment, C, E, merged
@@ -397,7 +432,10 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
     CTAs (task lists ``rank * K + c``, the rank an extra ``(1,)`` int32 input after ``rv``: no
     device id in the kernel, so no collective metadata and no pre-launch device barrier); Q, K, V,
     receive buffers, output and running state are the rank's own local rows, while the tables
-    (segments, key metadata) keep their stacked ``[P * ...]`` indices."""
+    (segments, key metadata) keep their stacked ``[P * ...]`` indices.
+
+    ``profile_dir``: Mosaic GPU's profiler records the :data:`PROFILE_REGIONS` of every CTA and
+    writes a Chrome trace there after each launch (:func:`profile_breakdown` reads it)."""
     dtype = jnp.dtype(dtype_name)
     G, C = (K if staged else P * K), n * B
     scale2 = float(scale) * 1.4426950408889634     # log2 units
@@ -474,7 +512,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                         plgpu.semaphore_signal(publish.at[ctr], 1, memory_scope="gpu")
 
             if not staged:
-                communicate()
+                with jax.named_scope(RING_COMM):
+                    communicate()
 
             # ---- 2. compute: claim [C, E) intervals of the rank's segments until all claimed.
             s0, s1 = seg_off_ref[rank], seg_off_ref[rank + 1]
@@ -532,161 +571,164 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 qrow = pl.multiple_of(rank * C + a * B + h * _BQ, 8)
                 # peer: this device's own rows (metadata tables stay stacked, indexed by qrow)
                 drow = qrow if peer_axis is None else pl.multiple_of(a * B + h * _BQ, 8)
-                # Q, its rows' ids / positions and the first K / V tile load together (the
-                # previous half left q_smem, qmeta and both K / V stages free)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(drow, _BQ)], q_smem, qbar)
-                plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(qrow, _BQ)], qmeta.at[0], mbar.at[0])
-                plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(qrow, _BQ)], qmeta.at[1], mbar.at[1])
+                with jax.named_scope(RING_TILES):   # profiled: Q load, tiles, normalise
+                    # Q, its rows' ids / positions and the first K / V tile load together (the
+                    # previous half left q_smem, qmeta and both K / V stages free)
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(drow, _BQ)], q_smem, qbar)
+                    plgpu.copy_gmem_to_smem(tok_seq_ref.at[pl.ds(qrow, _BQ)], qmeta.at[0], mbar.at[0])
+                    plgpu.copy_gmem_to_smem(tok_pos_ref.at[pl.ds(qrow, _BQ)], qmeta.at[1], mbar.at[1])
 
-                def issue(i, st):
-                    """TMA loads of logical tile ``i`` into stage ``st``: K, its keys' sequence
-                    ids and positions on ``kbar[st]`` (_K_COPIES arrivals: exactly one of the
-                    two K branches copies), V on ``vbar[st]``."""
-                    local = i < nl
-                    b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
-                    mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
-                    if staged:
-                        slot = smap_ref[mpos] - 1
-                    else:
-                        slot = msync.load_acquire(at(dev_map, mpos), scr) - 1
-                    lrow = rank * C + b * B
-                    rrow = (rank * R + jnp.maximum(slot, 0)) * B
-                    meta = jnp.where(local, lrow, slot_src_ref[rank * R + jnp.maximum(slot, 0)])
-                    if peer_axis is not None:   # local K / V / receive rows of this device
-                        lrow, rrow = b * B, jnp.maximum(slot, 0) * B
+                    def issue(i, st):
+                        """TMA loads of logical tile ``i`` into stage ``st``: K, its keys' sequence
+                        ids and positions on ``kbar[st]`` (_K_COPIES arrivals: exactly one of the
+                        two K branches copies), V on ``vbar[st]``."""
+                        local = i < nl
+                        b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
+                        mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
+                        if staged:
+                            slot = smap_ref[mpos] - 1
+                        else:
+                            slot = msync.load_acquire(at(dev_map, mpos), scr) - 1
+                        lrow = rank * C + b * B
+                        rrow = (rank * R + jnp.maximum(slot, 0)) * B
+                        meta = jnp.where(local, lrow, slot_src_ref[rank * R + jnp.maximum(slot, 0)])
+                        if peer_axis is not None:   # local K / V / receive rows of this device
+                            lrow, rrow = b * B, jnp.maximum(slot, 0) * B
 
-                    for src_k, src_v, row in ((k_ref, v_ref, lrow), (rk_ref, rv_ref, rrow)):
-                        @pl.when(local if src_k is k_ref else ~local)
-                        def _():
-                            rows = pl.ds(pl.multiple_of(row, 8), B)
-                            plgpu.copy_gmem_to_smem(src_k.at[rows], k_smem.at[st], kbar.at[st])
-                            plgpu.copy_gmem_to_smem(src_v.at[rows], v_smem.at[st], vbar.at[st])
+                        for src_k, src_v, row in ((k_ref, v_ref, lrow), (rk_ref, rv_ref, rrow)):
+                            @pl.when(local if src_k is k_ref else ~local)
+                            def _():
+                                rows = pl.ds(pl.multiple_of(row, 8), B)
+                                plgpu.copy_gmem_to_smem(src_k.at[rows], k_smem.at[st], kbar.at[st])
+                                plgpu.copy_gmem_to_smem(src_v.at[rows], v_smem.at[st], vbar.at[st])
 
-                    mrow = pl.ds(pl.multiple_of(meta, 8), B)
-                    plgpu.copy_gmem_to_smem(tok_seq_ref.at[mrow], kmeta.at[st, 0], kbar.at[st])
-                    plgpu.copy_gmem_to_smem(tok_pos_ref.at[mrow], kmeta.at[st, 1], kbar.at[st])
+                        mrow = pl.ds(pl.multiple_of(meta, 8), B)
+                        plgpu.copy_gmem_to_smem(tok_seq_ref.at[mrow], kmeta.at[st, 0], kbar.at[st])
+                        plgpu.copy_gmem_to_smem(tok_pos_ref.at[mrow], kmeta.at[st, 1], kbar.at[st])
 
-                @pl.when(e0 > c0)
-                def _():
-                    issue(c0, 0)
+                    @pl.when(e0 > c0)
+                    def _():
+                        issue(c0, 0)
 
-                plgpu.barrier_wait(qbar)
-                plgpu.barrier_wait(mbar.at[0])
-                plgpu.barrier_wait(mbar.at[1])
-                qs = plgpu.load(qmeta.at[0], layout=row_l)
-                qp = plgpu.load(qmeta.at[1], layout=row_l)
+                    plgpu.barrier_wait(qbar)
+                    plgpu.barrier_wait(mbar.at[0])
+                    plgpu.barrier_wait(mbar.at[1])
+                    qs = plgpu.load(qmeta.at[0], layout=row_l)
+                    qp = plgpu.load(qmeta.at[1], layout=row_l)
 
-                def tile(i, carry):
-                    acc, m_i, l_i = carry
-                    st = lax.rem(i - c0, 2)
+                    def tile(i, carry):
+                        acc, m_i, l_i = carry
+                        st = lax.rem(i - c0, 2)
 
-                    @pl.when(i + 1 < e0)
-                    def _():   # the other stage's tile (i - 1) is done: prefetch i + 1 into it
-                        issue(i + 1, 1 - st)
+                        @pl.when(i + 1 < e0)
+                        def _():   # the other stage's tile (i - 1) is done: prefetch i + 1 into it
+                            issue(i + 1, 1 - st)
 
-                    plgpu.barrier_wait(kbar.at[st])
-                    ks = plgpu.load(kmeta.at[st, 0], layout=col_l)
-                    kp = plgpu.load(kmeta.at[st, 1], layout=col_l)
+                        plgpu.barrier_wait(kbar.at[st])
+                        ks = plgpu.load(kmeta.at[st, 0], layout=col_l)
+                        kp = plgpu.load(kmeta.at[st, 1], layout=col_l)
 
-                    def qk(s_ref):
-                        plgpu.wgmma(s_ref, q_smem, k_smem.at[st].transpose((1, 0)))
-                        return s_ref[...]
+                        def qk(s_ref):
+                            plgpu.wgmma(s_ref, q_smem, k_smem.at[st].transpose((1, 0)))
+                            return s_ref[...]
 
-                    s = pl.run_scoped(qk, plgpu.ACC((_BQ, B), jnp.float32)) * scale2
-                    shape = (_BQ, B)
-                    sid_t = bcast(sid, shape, plgpu.Layout.WGMMA)
-                    ok = ((lax.broadcast_in_dim(qs, shape, [0]) == sid_t)
-                          & (lax.broadcast_in_dim(ks, shape, [1]) == sid_t))
-                    if causal_flag:
-                        ok = ok & (lax.broadcast_in_dim(kp, shape, [1])
-                                   <= lax.broadcast_in_dim(qp, shape, [0]))
-                    s = jnp.where(ok, s, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    alpha = jnp.exp2(m_i - m_use)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    plgpu.barrier_wait(vbar.at[st])
+                        s = pl.run_scoped(qk, plgpu.ACC((_BQ, B), jnp.float32)) * scale2
+                        shape = (_BQ, B)
+                        sid_t = bcast(sid, shape, plgpu.Layout.WGMMA)
+                        ok = ((lax.broadcast_in_dim(qs, shape, [0]) == sid_t)
+                              & (lax.broadcast_in_dim(ks, shape, [1]) == sid_t))
+                        if causal_flag:
+                            ok = ok & (lax.broadcast_in_dim(kp, shape, [1])
+                                       <= lax.broadcast_in_dim(qp, shape, [0]))
+                        s = jnp.where(ok, s, -jnp.inf)
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                        alpha = jnp.exp2(m_i - m_use)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, shape, [0]))
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        plgpu.barrier_wait(vbar.at[st])
 
-                    if interpret:   # no register-LHS wgmma in the interpreter: stage P
-                        p_smem[...] = p.astype(dtype)
-                        plgpu.commit_smem()
+                        if interpret:   # no register-LHS wgmma in the interpreter: stage P
+                            p_smem[...] = p.astype(dtype)
+                            plgpu.commit_smem()
 
-                        def pv_scope(ref):
-                            plgpu.wgmma(ref, p_smem, v_smem.at[st])
-                            return ref[...]
+                            def pv_scope(ref):
+                                plgpu.wgmma(ref, p_smem, v_smem.at[st])
+                                return ref[...]
 
-                        acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((_BQ, D), jnp.float32))
-                    else:
-                        def pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[st])
+                            acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((_BQ, D), jnp.float32))
+                        else:
+                            def pv(acc_ref):
+                                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[st])
 
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    return acc, m_new, l_i
+                            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        return acc, m_new, l_i
 
-                init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), plgpu.Layout.WGMMA),
-                        plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
-                        plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), row_l))
-                acc, m_i, l_i = lax.fori_loop(c0, e0, tile, init)
-                empty = l_i == 0.0
-                o = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l_i), acc.shape, [0])
-                lse = jnp.where(empty, -jnp.inf,
-                                jnp.where(empty, 0.0, m_i) * 0.6931471805599453
-                                + jnp.log(jnp.where(empty, 1.0, l_i)))
+                    init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), plgpu.Layout.WGMMA),
+                            plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
+                            plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), row_l))
+                    acc, m_i, l_i = lax.fori_loop(c0, e0, tile, init)
+                    empty = l_i == 0.0
+                    o = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l_i), acc.shape, [0])
+                    lse = jnp.where(empty, -jnp.inf,
+                                    jnp.where(empty, 0.0, m_i) * 0.6931471805599453
+                                    + jnp.log(jnp.where(empty, 1.0, l_i)))
                 # ---- merge under the (Q tile, half) lock (Eq. 1); the first merge initialises.
                 u = (rank * n + a) * 2 + h
                 if staged:
                     prev = prev_static
                 else:
-                    msync.lock_acquire(at(locks, u), scr)
-                    prev = msync.load_acquire(at(merged, u), scr)
-                @pl.when(prev > 0)
-                def _():   # the first merge has no running state to read (o_old is masked)
-                    plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(drow, _BQ)], o_smem, sbar.at[0])
-                    plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(drow, _BQ)], l_smem, sbar.at[1])
-                    plgpu.barrier_wait(sbar.at[0])
-                    plgpu.barrier_wait(sbar.at[1])
+                    with jax.named_scope(RING_LOCK):   # profiled: waiting for the lock
+                        msync.lock_acquire(at(locks, u), scr)
+                        prev = msync.load_acquire(at(merged, u), scr)
+                with jax.named_scope(RING_MERGE):   # profiled: state I/O, merge, release
+                    @pl.when(prev > 0)
+                    def _():   # the first merge has no running state to read (o_old is masked)
+                        plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(drow, _BQ)], o_smem, sbar.at[0])
+                        plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(drow, _BQ)], l_smem, sbar.at[1])
+                        plgpu.barrier_wait(sbar.at[0])
+                        plgpu.barrier_wait(sbar.at[1])
 
-                o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
-                has_v = bcast(prev, (_BQ,), row_l) > 0
-                l_old = jnp.where(has_v, plgpu.load(l_smem, layout=row_l), -jnp.inf)
-                mx = jnp.maximum(l_old, lse)
-                mu_ = jnp.where(mx == -jnp.inf, 0.0, mx)
-                w0, w1 = jnp.exp(l_old - mu_), jnp.exp(lse - mu_)
-                tot = w0 + w1
-                nz_ = tot > 0
-                inv = 1.0 / jnp.where(nz_, tot, 1.0)
-                o_old = jnp.where(bcast(prev, (_BQ, D), plgpu.Layout.WGMMA) > 0, o_old, 0.0)
-                o_new = (o_old * lax.broadcast_in_dim(w0 * inv, o_old.shape, [0])
-                         + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
-                l_new = jnp.where(nz_, mu_ + jnp.log(jnp.where(nz_, tot, 1.0)), -jnp.inf)
-                done_tiles = prev + (e0 - c0)
-                last = done_tiles == tile_total_ref[rank * n + a]
+                    o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
+                    has_v = bcast(prev, (_BQ,), row_l) > 0
+                    l_old = jnp.where(has_v, plgpu.load(l_smem, layout=row_l), -jnp.inf)
+                    mx = jnp.maximum(l_old, lse)
+                    mu_ = jnp.where(mx == -jnp.inf, 0.0, mx)
+                    w0, w1 = jnp.exp(l_old - mu_), jnp.exp(lse - mu_)
+                    tot = w0 + w1
+                    nz_ = tot > 0
+                    inv = 1.0 / jnp.where(nz_, tot, 1.0)
+                    o_old = jnp.where(bcast(prev, (_BQ, D), plgpu.Layout.WGMMA) > 0, o_old, 0.0)
+                    o_new = (o_old * lax.broadcast_in_dim(w0 * inv, o_old.shape, [0])
+                             + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
+                    l_new = jnp.where(nz_, mu_ + jnp.log(jnp.where(nz_, tot, 1.0)), -jnp.inf)
+                    done_tiles = prev + (e0 - c0)
+                    last = done_tiles == tile_total_ref[rank * n + a]
 
-                @pl.when(~last)
-                def _():   # the f32 running state is read only by a later merge
-                    o_smem[...] = o_new
+                    @pl.when(~last)
+                    def _():   # the f32 running state is read only by a later merge
+                        o_smem[...] = o_new
 
-                l_smem[...] = l_new   # the LSE is an output
-                plgpu.commit_smem()
-
-                @pl.when(~last)
-                def _():
-                    plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(drow, _BQ)])
-
-                plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(drow, _BQ)])
-
-                @pl.when(last)
-                def _():   # the last merge of this half writes the output rows
-                    q_smem[...] = o_new.astype(dtype)
+                    l_smem[...] = l_new   # the LSE is an output
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(drow, _BQ)])
 
-                plgpu.wait_smem_to_gmem(0)
-                if not staged:
-                    msync.store_release(at(merged, u), done_tiles)
-                    msync.lock_release(at(locks, u))
+                    @pl.when(~last)
+                    def _():
+                        plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(drow, _BQ)])
+
+                    plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(drow, _BQ)])
+
+                    @pl.when(last)
+                    def _():   # the last merge of this half writes the output rows
+                        q_smem[...] = o_new.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(drow, _BQ)])
+
+                    plgpu.wait_smem_to_gmem(0)
+                    if not staged:
+                        msync.store_release(at(merged, u), done_tiles)
+                        msync.lock_release(at(locks, u))
 
             def claim_step(st):
                 _, cursor = st
@@ -708,17 +750,19 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 return ((got >= rank_total_ref[rank]).astype(jnp.int32),
                         jnp.where(j >= 0, j, cursor))
 
-            if staged:
-                ci = c if peer_axis is None else rank_ref[0] * K + c
+            with jax.named_scope(RING_COMPUTE):   # profiled: claims and tasks
+                if staged:
+                    ci = c if peer_axis is None else rank_ref[0] * K + c
 
-                @pl.loop(task_off_ref[ci], task_off_ref[ci + 1])
-                def _(t):
-                    for h in range(B // _BQ):
-                        run_half(task_ref[t, 0], task_ref[t, 1], task_ref[t, 2], h, task_ref[t, 3])
-            else:   # the rank's K CTAs (index c // P within it) start evenly spread over its
-                # segments, so that they rarely meet
-                cursor0 = s0 + (c // P) * (s1 - s0) // K
-                lax.while_loop(lambda st: st[0] == 0, claim_step, (jnp.int32(0), cursor0))
+                    @pl.loop(task_off_ref[ci], task_off_ref[ci + 1])
+                    def _(t):
+                        for h in range(B // _BQ):
+                            run_half(task_ref[t, 0], task_ref[t, 1], task_ref[t, 2], h,
+                                     task_ref[t, 3])
+                else:   # the rank's K CTAs (index c // P within it) start evenly spread over its
+                    # segments, so that they rarely meet
+                    cursor0 = s0 + (c // P) * (s1 - s0) // K
+                    lax.while_loop(lambda st: st[0] == 0, claim_step, (jnp.int32(0), cursor0))
 
         # K / V in two stages: tile i + 1 loads while tile i computes.
         pl.run_scoped(
@@ -744,19 +788,23 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                      jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype),
                      jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype)) + state
                     + (jax.ShapeDtypeStruct((max(map_size, 1),), jnp.int32),))
+    profile = {} if profile_dir is None or interpret else dict(
+        profile_space=PROFILE_SPACE, profile_dir=profile_dir,
+        profile_bounds_check=True)   # a truncated trace is reported, never corrupts memory
     return plgpu.kernel(kernel, out_type=out_type, grid=(G,), grid_names=("sm",),
-                        compiler_params=plgpu.CompilerParams(approx_math=True),
+                        compiler_params=plgpu.CompilerParams(approx_math=True, **profile),
                         **interpret_params(interpret))
 
 
 def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
-                   ctas_per_rank: int, delay_ns=None):
+                   ctas_per_rank: int, delay_ns=None, profile_dir: str | None = None):
     """The fused forward engine on emulated ranks (GPU only; its GPU tests passed on an H200,
     2026-12-05). One head: ``q, k, v [P * C, D]`` stacked in the plan's CP layout (bf16 / f16,
     ``D`` 64 or 128, tiles of ``B`` = 64 or 128 rows). Causal tables only.
 
     ``delay_ns``: optional ``(n_xfer,)`` nanoseconds a worker sleeps before each transfer, in
-    :func:`transfer_lists` row order (tests perturb arrival orders with it).
+    :func:`transfer_lists` row order (tests perturb arrival orders with it). ``profile_dir``: a
+    directory for the profiler's trace of each launch (:func:`profile_breakdown`).
 
     Returns ``(out [P*C, D], lse [P*C] f32)``: rows of padding (and of Q tiles without work)
     are left unwritten.
@@ -783,7 +831,7 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                           float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                          max(len(tb.seg), 1))
+                          max(len(tb.seg), 1), profile_dir=_check_profile_dir(profile_dir))
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
 
@@ -836,7 +884,7 @@ def staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
 
 def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
                    num_ctas: int, sim: dict | None = None, interpret: bool = False,
-                   transport=None):
+                   transport=None, profile_dir: str | None = None):
     """The staged forward on emulated ranks: the transfer launch (K and V), then one compute launch
     of static task lists (:func:`staged_tasks`) over the commit order and claims of a protocol
     run (``sim``: :func:`~liquidcp_jax.megaring.engine_protocol.simulate`'s result; default: a
@@ -852,7 +900,9 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     own TMA; :func:`peer_fence` (a psum over the axis) then orders every rank's transfers before
     any rank's compute launch and keeps this rank's K / V alive while peers may read them; the
     compute launch reads only local memory (no cross-device wait anywhere, so nothing can
-    deadlock). GPU only (the interpreter cannot run ``remote_ref``)."""
+    deadlock). GPU only (the interpreter cannot run ``remote_ref``).
+
+    ``profile_dir`` (emulated ranks, GPU): the compute launch's profile, as :func:`forward_launch`'s."""
     if isinstance(transport, PeerTransport):
         return _forward_staged_peer(q, k, v, tb, transport, scale=scale, num_ctas=num_ctas, sim=sim)
     if transport is not None and not isinstance(transport, EmulatedTransport):
@@ -864,13 +914,14 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     task, task_off = staged_tasks(tb, sim["claims"], num_ctas)
     rk = transfer_launch(k, tb, geom, interpret=interpret)
     rv = transfer_launch(v, tb, geom, interpret=interpret)
-    call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret)
+    call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
+                                 profile_dir=_check_profile_dir(profile_dir))
     outs = call(*tabs, q, k, v, rk, rv)
     return outs[0], outs[2]
 
 
 def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
-                    peer_axis=None):
+                    peer_axis=None, profile_dir=None):
     """The staged compute launch and its table arguments (the forward tables, the task lists and
     the protocol run's commit map, 1-based with a 0 sentinel)."""
     t = forward_tables(tb, geom)
@@ -881,7 +932,7 @@ def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret
                           geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
                           jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
                           max(tb.map_size, 1), max(len(tb.seg), 1), staged=True,
-                          interpret=bool(interpret), peer_axis=peer_axis)
+                          interpret=bool(interpret), peer_axis=peer_axis, profile_dir=profile_dir)
     pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
     return call, tuple(jnp.asarray(x) for x in ([t[name] for name in _FWD_TABLES]
                                                 + [pad(task), task_off, smap]))
