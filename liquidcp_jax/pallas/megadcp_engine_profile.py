@@ -84,11 +84,6 @@ def busy_from_trace(trace, num_ctas: int, clock_ghz: float) -> tuple[np.ndarray,
     return attn / clock_ghz, red / clock_ghz
 
 
-def _check_clock(clock_ghz):
-    if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
-        raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
-
-
 def _regions(trace, num_ctas: int) -> dict:
     """:func:`profile_trace.regions` of the engine's trace (three warpgroups per CTA)."""
     return profile_trace.regions(trace, num_ctas, NUM_WARPGROUPS, PROFILE_SPACE,

@@ -70,6 +70,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.megaring import engine_protocol as ep
 from liquidcp_jax.pallas import megaring_sync as msync
+from liquidcp_jax.pallas import profile_trace
 from liquidcp_jax.pallas.common import SMEM_LIMIT, aligned, interpret_params
 from liquidcp_jax.pallas.megaring_transport import EmulatedTransport, PeerTransport, RingGeometry
 
@@ -99,7 +100,6 @@ def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
     :data:`PROFILE_REGIONS` plus ``"ring_scan"`` (compute minus its tasks' tiles, lock waits and
     merges: claim scans and waiting for arrivals) and ``"<region>_count"`` (entries).
     ``trace``: the Chrome trace (a path or its JSON) of a launch with ``num_ctas`` CTAs."""
-    from liquidcp_jax.pallas import profile_trace
     tot = profile_trace.region_totals(
         trace, num_ctas, clock_ghz, PROFILE_REGIONS, num_warpgroups=1, space=PROFILE_SPACE,
         hint="raise megaring_engine.PROFILE_SPACE or profile a smaller plan")
