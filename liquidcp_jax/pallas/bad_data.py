@@ -101,10 +101,12 @@ def _per_kv_head(flags, rep: int):
   return jnp.any(flags.reshape(flags.shape[0], -1, rep), axis=-1)
 
 
-def forward(run, q, k, v, seg, causal: bool, carried: bool = False):
+def forward(run, q, k, v, seg, causal: bool, carried: bool = False, mark: str = "cond"):
   """``run(q, k, v) -> (out, lse)`` (a forward kernel call) with bad data contained: the kernel
   sees values with non-finite entries zeroed, and rows that depend on a bad input are NaN.
-  ``carried``: the kernel merges into a carried state (bad queries are then flagged directly)."""
+  ``carried``: the kernel merges into a carried state (bad queries are then flagged directly).
+  ``mark``: ``"cond"`` (rewrite ``out`` when some row is bad) or ``"scatter"`` (NaN into the bad
+  rows in place; ``TuningConfig.mark_bad_rows``)."""
   tq, hq, _ = q.shape
   rep = hq // k.shape[1]
   vc, vbad = clean(v)
@@ -119,10 +121,24 @@ def forward(run, q, k, v, seg, causal: bool, carried: bool = False):
     sbad = sbad | (~jnp.all(jnp.isfinite(q), axis=-1) & has)
   rbad = sbad | _per_q_head(any_in_ranges(vbad, lo, hi), rep)
 
-  def mark(out, lse):
+  if mark == "scatter":
+    return _nan_rows(out, rbad), jnp.where(sbad, jnp.nan, lse)
+
+  def mark_rows(out, lse):
     return jnp.where(rbad[..., None], jnp.nan, out).astype(out.dtype), jnp.where(sbad, jnp.nan, lse)
 
-  return lax.cond(jnp.any(rbad), mark, lambda o, l: (o, l), out, lse)
+  return lax.cond(jnp.any(rbad), mark_rows, lambda o, l: (o, l), out, lse)
+
+
+def _nan_rows(out, bad):
+  """``out [T, H, D]`` with NaN in the rows ``bad [T, H]``, by a scatter whose good rows' indices
+  fall outside (``n + row``: dropped, and every index distinct): ``out`` is updated in place,
+  never copied through a branch."""
+  t, h, d = out.shape
+  n = t * h
+  rows = jnp.arange(n, dtype=jnp.int32)
+  idx = jnp.where(bad.reshape(n), rows, n + rows)
+  return out.reshape(n, d).at[idx].set(jnp.nan, mode="drop", unique_indices=True).reshape(t, h, d)
 
 
 def backward(run, q, k, v, out, lse, do, seg, causal: bool):
