@@ -17,6 +17,10 @@ ablation (the engine steps run every head in one launch per pass, heads as copie
   fused_tau1      one fused launch, device-side commit counters and claims, one KV tile per
                   task (``task_tiles = 1``: no coalescing)
   fused           the fused launch with readiness-driven coalescing (the plan's ``tau_max``)
+  staged_ws       ``staged`` with the three-warpgroup compute kernel (``megaring_engine_ws``:
+                  two compute warpgroups share each task's KV tiles, a producer loads them)
+  fused_ws        ``fused`` with the three-warpgroup kernel (the producer claims while the
+                  compute warpgroups run the previous task)
   ==============  =====================================================================
 
 Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
@@ -25,7 +29,7 @@ over the launch time (the engine steps: all ``P`` ranks share the GPU in one lau
 ``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU).
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
-        [--steps fused,fused_tau1,staged,segment_ring,fused_merge] [--reps 10] [--budget-s S] [--out PATH]
+        [--steps fused_ws,staged_ws,fused,fused_tau1,staged,segment_ring,fused_merge] [--reps 10] [--budget-s S] [--out PATH]
         [--profile DIR]    # also: each engine step's forward under the profiler, per-CTA breakdown
     python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens, 2 heads
 
@@ -43,7 +47,7 @@ from benchmarks import harness as H
 
 CHECK_ROWS = 512   # query rows per head checked vs float64 (--check)
 # The engine steps first: a device call cut by its limit has timed what is least measured.
-STEPS = ("fused", "fused_tau1", "staged", "segment_ring", "fused_merge")
+STEPS = ("fused_ws", "staged_ws", "fused", "fused_tau1", "staged", "segment_ring", "fused_merge")
 
 
 def cases(spec: str) -> list[H.Case]:
@@ -92,9 +96,15 @@ def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool,
     from liquidcp_jax.megaring.emulated import engine_launches
     sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
     kw = dict(scale=scale, ctas_per_rank=ctas_per_rank(tb, geom, num_sms), profile_dir=profile_dir)
-    return {"staged": engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw),
-            "fused_tau1": engine_launches("fused", tb1, geom, **kw),
-            "fused": engine_launches("fused", tb, geom, **kw)}
+    kw["warp_specialized"] = False   # the one-warpgroup kernel's steps
+    fns = {"staged": engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw),
+           "fused_tau1": engine_launches("fused", tb1, geom, **kw),
+           "fused": engine_launches("fused", tb, geom, **kw)}
+    if profile_dir is None:   # the three-warpgroup kernel has no profile mode
+        kw["warp_specialized"] = True
+        fns["staged_ws"] = engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw)
+        fns["fused_ws"] = engine_launches("fused", tb, geom, **kw)
+    return fns
 
 
 def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, root: str) -> dict:
@@ -237,7 +247,7 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                         fb_ms = H.time_fn(fb, flat(qc), flat(kc), flat(vc), flat(doc),
                                           reps=a.reps).median_ms
                         row.update(fb_ms=round(fb_ms, 4), fb_efficiency=round(one_fb_ms / fb_ms, 3))
-                if a.profile and not a.interpret:
+                if a.profile and not a.interpret and not step.endswith("_ws"):
                     pr = profile_step(step, tbh, tbh1, gh, scale, num_sms,
                                       (flat(qc), flat(kc), flat(vc)), a.profile)
                     row["profile"] = pr

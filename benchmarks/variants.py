@@ -29,8 +29,6 @@ VARIANTS: dict[str, Variant] = {
     "fwd_persistent": Variant("fwd", {"persistent": True}),
     "fwd_bkv64": Variant("fwd", {"block_kv": 64}),
     "fwd_mcs3": Variant("fwd", {"max_concurrent_steps": 3}),
-    # Bad-data containment: NaN rows by an in-place scatter instead of a lax.cond.
-    "mark_scatter": Variant("fwd", {"mark_bad_rows": "scatter"}),
     # Backward: the two kernels or the fused one forced (the default picks per batch).
     "two_kernel": Variant("bwd", {"fused": False}),
     "fused": Variant("bwd", {"fused": True}),

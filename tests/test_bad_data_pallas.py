@@ -207,8 +207,8 @@ def test_gpu_real_shapes(spot):
 
 
 def test_nan_rows_by_scatter():
-    """``mark_bad_rows="scatter"``'s primitive: NaN in exactly the flagged (token, head) rows, every
-    other entry unchanged (jitted: the scatter XLA runs in place)."""
+    """The forward's marking primitive: NaN in exactly the flagged (token, head) rows, every other
+    entry unchanged (jitted)."""
     rng = np.random.default_rng(7)
     out = jnp.asarray(rng.standard_normal((37, 4, 16)), jnp.bfloat16)
     for bad in (rng.random((37, 4)) < 0.2, np.zeros((37, 4), bool), np.ones((37, 4), bool)):
@@ -218,23 +218,18 @@ def test_nan_rows_by_scatter():
 
 
 @pytest.mark.parametrize("example", [0, 1, 3])
-def test_marking_by_scatter_matches_cond(example):
-    """Both ways of marking give the same forward on the XLA twin (v / q planted values), and it
-    is the float64 reference with exactly the dependent rows non-finite."""
+def test_forward_marks_exactly_the_dependent_rows_jitted(example):
+    """The jitted forward wrapper on the XLA twin (v / q planted values, device segment arrays as
+    the kernels get them) is the float64 reference with exactly the dependent rows non-finite."""
     x, do, seg_np, causal, spot = _case(EXAMPLES[example], dtype=np.float32)
     q, k, v = (jnp.asarray(x[n]) for n in TENSORS)
-    seg = Segments(*(jnp.asarray(a) for a in seg_np))   # device arrays, as the kernels get them
+    seg = Segments(*(jnp.asarray(a) for a in seg_np))
     run = lambda q, k, v: ref.xla_segment_attention(q, k, v, seg, causal=causal,  # noqa: E731
                                                     sm_scale=0.125, chunk=32)
-    res = {m: jax.jit(lambda q, k, v, m=m: bad_data.forward(run, q, k, v, seg, causal, mark=m))(
-        q, k, v) for m in ("cond", "scatter")}
-    for a, b in zip(res["cond"], res["scatter"]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out, lse = jax.jit(lambda q, k, v: bad_data.forward(run, q, k, v, seg, causal))(q, k, v)
     ro, rl = ref.segment_attention_reference(x["q"], x["k"], x["v"], seg_np, causal=causal,
                                              scale=0.125)
     t, hq = x["q"].shape[:2]
     want = dependents(ref.segment_visibility(seg_np, t, t, causal), hq, x["k"].shape[1], *spot[:3])
-    check("out", res["scatter"][0], ro, want["out"], 1e-5)
-    check("lse", res["scatter"][1], rl, want["lse"], 1e-5)
-    with pytest.raises(ValueError, match="mark_bad_rows must be 'cond' or 'scatter'"):
-        api.TuningConfig(mark_bad_rows="where")
+    check("out", out, ro, want["out"], 1e-5)
+    check("lse", lse, rl, want["lse"], 1e-5)

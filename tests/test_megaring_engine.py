@@ -159,6 +159,37 @@ FWD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_forward_lowers_for_sm90(d):
+    """The three-warpgroup kernel, fused (one launch) and staged (two transfer launches, then
+    the compute launch), lowers for sm_90a."""
+    _, tb, g = _plan(*(FWD_CASES[0][0][:4] + (128,)), 1)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), jnp.bfloat16)
+    for f, calls in ((lambda q, k, v: me.forward_launch(q, k, v, tb, g, scale=0.1, ctas_per_rank=3,
+                                                        warp_specialized=True), 1),
+                     (lambda q, k, v: me.forward_staged(q, k, v, tb, g, scale=0.1, num_ctas=6,
+                                                        warp_specialized=True), 3)):
+        txt = jax.jit(f).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+        assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == calls
+
+
+def test_ws_token_codes_and_validation():
+    from liquidcp_jax.pallas import megaring_engine_ws as ws
+    codes, span = ws.token_codes([0, 0, 1, -1, 2], [0, 5, 3, 0, 8])
+    assert span == 16 and codes.tolist() == [0, 5, 19, -1, 40]
+    with pytest.raises(ValueError, match="int32"):
+        ws.token_codes([5000], [1 << 20])
+    _, tb, g = _plan(*FWD_CASES[0][0], 1)          # tiles of 64: not the kernel's halves
+    q = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="warp_specialized=True.*128 rows"):
+        me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=2, warp_specialized=True)
+    _, tb, g = _plan(*(FWD_CASES[0][0][:4] + (128,)), 1)
+    q = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="profile"):
+        me.forward_staged(q, q, q, tb, g, scale=0.1, num_ctas=2, warp_specialized=True,
+                          profile_dir="/tmp/x")
+
+
 @pytest.mark.parametrize("case", range(len(FWD_CASES)))
 def test_forward_skeleton_lowers_for_sm90(case):
     args, comm, ctas, d, dtype = FWD_CASES[case]
@@ -216,8 +247,8 @@ def _staged(case):
     return tb, mt.RingGeometry(N, lay.capacity // B, B, send), d, dtype, ctas
 
 
-@pytest.mark.parametrize("case", range(len(STAGED_CASES)))
-def test_staged_forward_interpret_matches_float64(rng, case):
+@pytest.mark.parametrize("case,ws", [(0, False), (1, False), (1, True)])
+def test_staged_forward_interpret_matches_float64(rng, case, ws):
     """The forward's task body (TMA of local and received tiles through the commit map, the mask
     by sequence id and position, online softmax, wgmma, the Eq. 1 merge into the running state,
     the last merge writing the output) in the Mosaic GPU interpreter, NaN-initialised memory,
@@ -227,7 +258,7 @@ def test_staged_forward_interpret_matches_float64(rng, case):
     q, k, v = (jnp.asarray(rng.standard_normal((rows, d)), dtype) for _ in range(3))
     sim = ep.simulate(tb, ep.SimConfig(delay="random", seed=int(rng.integers(1 << 30))))
     out, lse = me.forward_staged(q, k, v, tb, g, scale=d ** -0.5, num_ctas=ctas, sim=sim,
-                                 interpret=True)
+                                 interpret=True, warp_specialized=ws)
     f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
     ro, rl = ep._attend(f(q), f(k), f(v), ep.valid_pairs(tb).astype(bool), d ** -0.5)
     ok = tb.tok_seq.reshape(-1) >= 0
@@ -237,10 +268,12 @@ def test_staged_forward_interpret_matches_float64(rng, case):
     np.testing.assert_allclose(np.asarray(lse)[ok], rl[ok], atol=2e-2)
 
 
-def test_staged_forward_interpret_counts_pairs_once():
+@pytest.mark.parametrize("case,ws", [(0, False), (1, True)])
+def test_staged_forward_interpret_counts_pairs_once(case, ws):
     """Zero queries: every row's LSE is ln(keys merged) = ln(position + 1) iff each valid pair
-    was computed exactly once, for two commit orders (host order, reversed arrivals)."""
-    tb, g, d, dtype, ctas = _staged(0)
+    was computed exactly once, for two commit orders (host order, reversed arrivals); the
+    one-warpgroup kernel (tiles of 64) and the three-warpgroup one (tiles of 128)."""
+    tb, g, d, dtype, ctas = _staged(case)
     rows = g.num_ranks * g.rows
     z = jnp.zeros((rows, d), dtype)
     kv = jnp.ones((rows, d), dtype)
@@ -251,7 +284,7 @@ def test_staged_forward_interpret_counts_pairs_once():
         sim = ep.simulate(tb, ep.SimConfig(delay=delay, delay_scale=5.0, seed=3))
         maps.append(sim["map"])
         _, lse = me.forward_staged(z, kv, kv, tb, g, scale=0.1, num_ctas=ctas, sim=sim,
-                                   interpret=True)
+                                   interpret=True, warp_specialized=ws)
         np.testing.assert_allclose(np.asarray(lse)[ok], np.log(pos + 1.0), atol=1e-4)
     assert not np.array_equal(maps[0], maps[1])   # the second run committed in another order
 

@@ -181,18 +181,21 @@ class EmulatedRing:
 
 def engine_launches(mode: str, tables, geometry, *, scale: float, ctas_per_rank: int,
                     sim: dict | None = None, interpret: bool = False,
-                    profile_dir: str | None = None):
+                    profile_dir: str | None = None, warp_specialized: bool | None = None):
     """``(forward(q, k, v) -> (out, lse), backward(q, k, v, out, lse, do) -> (dq, dk, dv))`` of
     the engine in ``mode`` over ``geometry``'s (virtual) ranks, ``[ranks * C, D]`` arrays,
     ``ctas_per_rank`` CTAs per rank; ``sim``: the staged mode's protocol run; ``profile_dir``:
-    the forward's compute launch writes its profile there (``megaring_engine.profile_breakdown``)."""
+    the forward's compute launch writes its profile there (``megaring_engine.profile_breakdown``);
+    ``warp_specialized``: the forward's kernel (``megaring_engine.forward_launch``'s argument; None:
+    the three-warpgroup one wherever it can run)."""
     from liquidcp_jax.pallas import megaring_engine as me
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
     from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
     if mode == "fused":
         def forward(q, k, v):
             return me.forward_launch(q, k, v, tables, geometry, scale=scale,
-                                     ctas_per_rank=ctas_per_rank, profile_dir=profile_dir)
+                                     ctas_per_rank=ctas_per_rank, profile_dir=profile_dir,
+                                     warp_specialized=warp_specialized)
 
         def backward(*x):
             return mbf.backward_fused(*x, tables, geometry, scale=scale,
@@ -202,7 +205,8 @@ def engine_launches(mode: str, tables, geometry, *, scale: float, ctas_per_rank:
 
     def staged_forward(q, k, v):
         return me.forward_staged(q, k, v, tables, geometry, scale=scale, num_ctas=n, sim=sim,
-                                 interpret=interpret, profile_dir=profile_dir)
+                                 interpret=interpret, profile_dir=profile_dir,
+                                 warp_specialized=warp_specialized)
 
     def staged_backward(*x):
         return mb.backward_staged(*x, tables, geometry, scale=scale, num_ctas=n,

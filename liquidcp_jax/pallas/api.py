@@ -84,8 +84,7 @@ def _check(q, k, v, config):
 def _forward(q, k, v, seg, causal, sm_scale, config, interpret, state=None):
   """The forward kernel with bad data contained (:func:`bad_data.forward`)."""
   run = lambda q, k, v: _forward_kernel(q, k, v, seg, causal, sm_scale, config, interpret, state)
-  return bad_data.forward(run, q, k, v, seg, causal, carried=state is not None,
-                          mark=config.mark_bad_rows)
+  return bad_data.forward(run, q, k, v, seg, causal, carried=state is not None)
 
 
 def _check_state(state, q):

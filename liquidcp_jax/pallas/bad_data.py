@@ -15,8 +15,8 @@ mark the dependent rows from the segment table, in O(rows * heads) work:
   value. Those rows are found without reading ``Q``: a bad query or key makes every score of
   the row it enters NaN or +-inf, so the kernel's LSE is NaN, or -inf for a row that sees keys,
   except for a ``-inf`` score next to finite ones (a bad key), which the key flags catch; bad
-  values are caught by the value flags. Rows are marked NaN under one ``lax.cond`` (``out`` is
-  rewritten only when some row is bad).
+  values are caught by the value flags. Rows are marked NaN by one scatter over the rows'
+  indices (a ``lax.cond`` rewriting ``out`` cost more: XLA copied ``out`` through its branch).
 * Forward with a carried state (``segment_attention(..., state=)``): the kernel's LSE of a row
   is the merged one, so a bad query whose scores are all ``-inf`` leaves the state's LSE, not
   ``-inf``; such rows are found from the query flags instead (one pass over ``Q``). A bad state
@@ -101,12 +101,10 @@ def _per_kv_head(flags, rep: int):
   return jnp.any(flags.reshape(flags.shape[0], -1, rep), axis=-1)
 
 
-def forward(run, q, k, v, seg, causal: bool, carried: bool = False, mark: str = "cond"):
+def forward(run, q, k, v, seg, causal: bool, carried: bool = False):
   """``run(q, k, v) -> (out, lse)`` (a forward kernel call) with bad data contained: the kernel
   sees values with non-finite entries zeroed, and rows that depend on a bad input are NaN.
-  ``carried``: the kernel merges into a carried state (bad queries are then flagged directly).
-  ``mark``: ``"cond"`` (rewrite ``out`` when some row is bad) or ``"scatter"`` (NaN into the bad
-  rows in place; ``TuningConfig.mark_bad_rows``)."""
+  ``carried``: the kernel merges into a carried state (bad queries are then flagged directly)."""
   tq, hq, _ = q.shape
   rep = hq // k.shape[1]
   vc, vbad = clean(v)
@@ -120,20 +118,13 @@ def forward(run, q, k, v, seg, causal: bool, carried: bool = False, mark: str = 
   if carried:
     sbad = sbad | (~jnp.all(jnp.isfinite(q), axis=-1) & has)
   rbad = sbad | _per_q_head(any_in_ranges(vbad, lo, hi), rep)
-
-  if mark == "scatter":
-    return _nan_rows(out, rbad), jnp.where(sbad, jnp.nan, lse)
-
-  def mark_rows(out, lse):
-    return jnp.where(rbad[..., None], jnp.nan, out).astype(out.dtype), jnp.where(sbad, jnp.nan, lse)
-
-  return lax.cond(jnp.any(rbad), mark_rows, lambda o, l: (o, l), out, lse)
+  return _nan_rows(out, rbad), jnp.where(sbad, jnp.nan, lse)
 
 
 def _nan_rows(out, bad):
   """``out [T, H, D]`` with NaN in the rows ``bad [T, H]``, by a scatter whose good rows' indices
-  fall outside (``n + row``: dropped, and every index distinct): ``out`` is updated in place,
-  never copied through a branch."""
+  fall outside (``n + row``: dropped, and every index distinct), with no branch passing ``out``
+  through."""
   t, h, d = out.shape
   n = t * h
   rows = jnp.arange(n, dtype=jnp.int32)

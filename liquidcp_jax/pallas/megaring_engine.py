@@ -69,6 +69,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.megaring import engine_protocol as ep
+from liquidcp_jax.pallas import megaring_device as dev
+from liquidcp_jax.pallas import megaring_engine_ws as ws
 from liquidcp_jax.pallas import megaring_sync as msync
 from liquidcp_jax.pallas import profile_trace
 from liquidcp_jax.pallas.common import SMEM_LIMIT, aligned, interpret_params
@@ -187,20 +189,8 @@ def _build_transfer(G: int, recv_rows: int, B: int, D: int, dtype_name: str, int
                 relay_tile(i - i0, rows_ref, i, kv_ref, recv_ref, buf, bar, B)
                 if fused:
                     plgpu.wait_smem_to_gmem(0)   # the tile is fully written: insert it
-                    recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
-
-                    @pl.loop(a0, a0 + n_ins)
-                    def _(a):
-                        s, cls = ins_ref[a, 0], ins_ref[a, 1]
-                        ctr = 2 * s + cls
-                        p = msync.fetch_add(reserve.at[pl.ds(ctr, 1)], scr, 1)
-                        pos = st_ref[s, 2] + p + cls * st_ref[s, 0]     # map_start + slot
-                        msync.store_release(dev_map.at[pl.ds(pos, 1)], recv_slot + 1)
-                        map_ref[pos] = recv_slot
-                        # publish in reservation order: slot p after slots 0 .. p - 1
-                        plgpu.semaphore_wait(publish.at[ctr], p, decrement=False,
-                                             memory_scope="gpu")
-                        plgpu.semaphore_signal(publish.at[ctr], 1, memory_scope="gpu")
+                    dev.insert_tile(i, xins_ref, dev.Streams(reserve, publish, dev_map, map_ref,
+                                                             ins_ref, st_ref), scr)
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -459,13 +449,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
         is_worker = c < P * W
         rank = jnp.where(is_worker, lax.rem(c, P), lax.rem(c - P * W, P))
         if not staged:
-            reserve = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
-            publish = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * n_streams,)))
-            dev_map = pl.get_global(plgpu.SemaphoreType.REGULAR((map_size,)))
-            claim = pl.get_global(plgpu.SemaphoreType.REGULAR((n_seg,)))
-            claimed = pl.get_global(plgpu.SemaphoreType.REGULAR((P,)))
-            locks = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
-            merged = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * P * n,)))
+            reserve, publish, dev_map, claim, claimed, locks, merged = dev.counters(
+                n_streams, map_size, n_seg, P, n)
         at = lambda ref, i: ref.at[pl.ds(i, 1)]  # noqa: E731
 
         def bcast(x, shape, layout):
@@ -482,34 +467,11 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                 i1 = jnp.where(is_worker, off_ref[cw + 1], 0)
 
                 @pl.loop(i0, i1)
-                def _(i):
-                    src = pl.multiple_of(rows_ref[i, 0], 8)
-                    dst = pl.multiple_of(rows_ref[i, 1], 8)
-
-                    @pl.when(delay_ref[i] > 0)
-                    def _():   # injected per-transfer delay (tests: perturbed arrival orders)
-                        pl.delay(delay_ref[i])
-
-                    # staged through the compute's first K / V stage (free until compute)
-                    kv_buf = (k_smem.at[0], v_smem.at[0])
-                    for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
-                        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], kv_buf[j], xbar.at[j])
-                    for j, (s_ref, d_ref) in enumerate(((k_ref, rk_ref), (v_ref, rv_ref))):
-                        plgpu.barrier_wait(xbar.at[j])
-                        plgpu.copy_smem_to_gmem(kv_buf[j], d_ref.at[pl.ds(dst, B)])
-                    plgpu.wait_smem_to_gmem(0)   # K and V fully written: insert the tile
-                    recv_slot, a0, n_ins = xins_ref[i, 0], xins_ref[i, 1], xins_ref[i, 2]
-
-                    @pl.loop(a0, a0 + n_ins)
-                    def _(a):
-                        s, cls = ins_ref[a, 0], ins_ref[a, 1]
-                        ctr = 2 * s + cls
-                        p = msync.fetch_add(at(reserve, ctr), scr, 1)
-                        pos = st_ref[s, 2] + p + cls * st_ref[s, 0]
-                        msync.store_release(at(dev_map, pos), recv_slot + 1)
-                        map_out_ref[pos] = recv_slot
-                        plgpu.semaphore_wait(publish.at[ctr], p, decrement=False, memory_scope="gpu")
-                        plgpu.semaphore_signal(publish.at[ctr], 1, memory_scope="gpu")
+                def _(i):   # staged through the compute's first K / V stage (free until compute)
+                    dev.relay_and_insert(
+                        i, B, rows_ref, delay_ref, xins_ref, (k_ref, v_ref), (rk_ref, rv_ref),
+                        (k_smem.at[0], v_smem.at[0]), xbar,
+                        dev.Streams(reserve, publish, dev_map, map_out_ref, ins_ref, st_ref), scr)
 
             if not staged:
                 with jax.named_scope(RING_COMM):
@@ -517,46 +479,6 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
 
             # ---- 2. compute: claim [C, E) intervals of the rank's segments until all claimed.
             s0, s1 = seg_off_ref[rank], seg_off_ref[rank + 1]
-
-            def ready(j):
-                """R of segment j from the published stream prefix."""
-                nl, sid, nr = seg_ref[j, sf["n_local"]], seg_ref[j, sf["stream"]], seg_ref[j, sf["n_remote"]]
-                sidc = jnp.maximum(sid, 0)
-                F = st_ref[sidc, 0]
-                p0 = msync.load_acquire(at(publish, 2 * sidc), scr)
-                p1 = msync.load_acquire(at(publish, 2 * sidc + 1), scr)
-                pub = jnp.where(p0 < F, p0, F + p1)
-                rem = jnp.where(sid >= 0, jnp.minimum(pub, nr), 0)
-                return nl + rem
-
-            def total_of(j):
-                return seg_ref[j, sf["n_local"]] + seg_ref[j, sf["n_remote"]]
-
-            def claimable(j, cj, R):
-                total = total_of(j)
-                return (cj < total) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > cj)))
-
-            def scan(cursor):
-                """``(j, C, R)``: the first claimable segment of the rank from ``cursor`` on
-                (wrapping around), -1 if none. A fully claimed segment costs one acquire load,
-                the others three (its claim and its stream's published prefix); the scan stops
-                at the first claimable one (each acquire load is a round trip to L2)."""
-                S = s1 - s0
-
-                def cond(st):
-                    return (st[1] < 0) & (st[0] < S)
-
-                def body(st):
-                    k = st[0]
-                    j = s0 + lax.rem(cursor - s0 + k, jnp.maximum(S, 1))
-                    cj = msync.load_acquire(at(claim, j), scr)
-                    R = lax.cond(cj < total_of(j), lambda: ready(j), lambda: jnp.int32(0))
-                    ok = claimable(j, cj, R)
-                    return (k + 1, jnp.where(ok, j, -1), cj, R)
-
-                z = jnp.int32(0)
-                _, j, cj, R = lax.while_loop(cond, body, (z, jnp.int32(-1), z, z))
-                return j, cj, R
 
             def run_half(j, c0, e0, h, prev_static=None):
                 """Task [c0, e0) of segment j, rows 64 h .. 64 h + 63 of its Q tile, merged into
@@ -690,19 +612,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
                         plgpu.barrier_wait(sbar.at[0])
                         plgpu.barrier_wait(sbar.at[1])
 
-                    o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
-                    has_v = bcast(prev, (_BQ,), row_l) > 0
-                    l_old = jnp.where(has_v, plgpu.load(l_smem, layout=row_l), -jnp.inf)
-                    mx = jnp.maximum(l_old, lse)
-                    mu_ = jnp.where(mx == -jnp.inf, 0.0, mx)
-                    w0, w1 = jnp.exp(l_old - mu_), jnp.exp(lse - mu_)
-                    tot = w0 + w1
-                    nz_ = tot > 0
-                    inv = 1.0 / jnp.where(nz_, tot, 1.0)
-                    o_old = jnp.where(bcast(prev, (_BQ, D), plgpu.Layout.WGMMA) > 0, o_old, 0.0)
-                    o_new = (o_old * lax.broadcast_in_dim(w0 * inv, o_old.shape, [0])
-                             + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
-                    l_new = jnp.where(nz_, mu_ + jnp.log(jnp.where(nz_, tot, 1.0)), -jnp.inf)
+                    o_new, l_new = dev.merge_eq1(prev, o, lse, o_smem, l_smem, _BQ, D)
                     done_tiles = prev + (e0 - c0)
                     last = done_tiles == tile_total_ref[rank * n + a]
 
@@ -732,7 +642,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
 
             def claim_step(st):
                 _, cursor = st
-                j, c0, R = scan(cursor)
+                j, c0, R = dev.claim_scan(cursor, s0, s1, seg_ref, st_ref, claim, publish, scr)
 
                 @pl.when(j >= 0)
                 def _():   # the scan's C and R: the CAS fails if C moved since
@@ -797,7 +707,8 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
 
 
 def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
-                   ctas_per_rank: int, delay_ns=None, profile_dir: str | None = None):
+                   ctas_per_rank: int, delay_ns=None, profile_dir: str | None = None,
+                   warp_specialized: bool | None = None):
     """The fused forward engine on emulated ranks (GPU only; its GPU tests passed on an H200,
     2026-12-05). One head: ``q, k, v [P * C, D]`` stacked in the plan's CP layout (bf16 / f16,
     ``D`` 64 or 128, tiles of ``B`` = 64 or 128 rows). Causal tables only.
@@ -805,6 +716,10 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     ``delay_ns``: optional ``(n_xfer,)`` nanoseconds a worker sleeps before each transfer, in
     :func:`transfer_lists` row order (tests perturb arrival orders with it). ``profile_dir``: a
     directory for the profiler's trace of each launch (:func:`profile_breakdown`).
+    ``warp_specialized``: the three-warpgroup kernel (:mod:`megaring_engine_ws`: two compute
+    warpgroups share each task's KV tiles, a producer claims and loads; tiles of 128 rows, bf16 /
+    f16, no profile mode); False: the one-warpgroup kernel; None (default): the three-warpgroup
+    one wherever it can run (docs/decisions.md).
 
     Returns ``(out [P*C, D], lse [P*C] f32)``: rows of padding (and of Q tiles without work)
     are left unwritten.
@@ -828,12 +743,33 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
             raise ValueError(f"delay_ns must be ({nx},) non-negative ints (one per transfer); got "
                              f"shape {d.shape}")
         t["delay"] = np.concatenate([d.astype(np.int32), np.zeros(1, np.int32)])
+    if _use_ws(warp_specialized, geom, q, profile_dir):
+        t = ws.ws_tables(tb, t)
+        call = ws.build(geom.num_ranks, W, int(ctas_per_rank), geom.tiles,
+                        max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
+                        float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
+                        max(len(tb.seg), 1), t["span"])
+        outs = call(*(jnp.asarray(t[name]) for name in ws.WS_TABLES), q, k, v)
+        return outs[0], outs[4]
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                           float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
                           max(len(tb.seg), 1), profile_dir=_check_profile_dir(profile_dir))
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
+
+
+def _use_ws(warp_specialized, geom: RingGeometry, q, profile_dir) -> bool:
+    """Whether the three-warpgroup kernel runs: ``None`` where it can, ``True`` or a ValueError
+    naming ``warp_specialized`` where it cannot, ``False`` never."""
+    if warp_specialized not in (None, True, False):
+        raise ValueError(f"warp_specialized must be None, True or False; got {warp_specialized!r}")
+    why = ws.unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
+    if why is None and profile_dir is not None:
+        why = "no profile mode (profile_dir must be None)"
+    if warp_specialized and why is not None:
+        raise ValueError(f"warp_specialized=True: the three-warpgroup kernel needs {why}")
+    return warp_specialized is not False and why is None
 
 
 def _check_forward_inputs(q, k, v, tb, geom, rows=None):
@@ -884,7 +820,8 @@ def staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
 
 def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
                    num_ctas: int, sim: dict | None = None, interpret: bool = False,
-                   transport=None, profile_dir: str | None = None):
+                   transport=None, profile_dir: str | None = None,
+                   warp_specialized: bool | None = None):
     """The staged forward on emulated ranks: the transfer launch (K and V), then one compute launch
     of static task lists (:func:`staged_tasks`) over the commit order and claims of a protocol
     run (``sim``: :func:`~liquidcp_jax.megaring.engine_protocol.simulate`'s result; default: a
@@ -902,38 +839,52 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     compute launch reads only local memory (no cross-device wait anywhere, so nothing can
     deadlock). GPU only (the interpreter cannot run ``remote_ref``).
 
-    ``profile_dir`` (emulated ranks, GPU): the compute launch's profile, as :func:`forward_launch`'s."""
+    ``profile_dir`` (emulated ranks, GPU): the compute launch's profile, as :func:`forward_launch`'s.
+    ``warp_specialized`` (emulated ranks): the three-warpgroup compute launch, as there (the peer
+    transport runs the one-warpgroup launch)."""
     if isinstance(transport, PeerTransport):
+        if warp_specialized:
+            raise ValueError("warp_specialized=True: emulated ranks only (no peer transport yet)")
         return _forward_staged_peer(q, k, v, tb, transport, scale=scale, num_ctas=num_ctas, sim=sim)
     if transport is not None and not isinstance(transport, EmulatedTransport):
         raise ValueError(f"transport must be None, EmulatedTransport or PeerTransport; got "
                          f"{type(transport).__name__}")
     _check_forward_inputs(q, k, v, tb, geom)
+    warp_specialized = _use_ws(warp_specialized, geom, q, profile_dir)
     if sim is None:
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
     task, task_off = staged_tasks(tb, sim["claims"], num_ctas)
     rk = transfer_launch(k, tb, geom, interpret=interpret)
     rv = transfer_launch(v, tb, geom, interpret=interpret)
     call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
-                                 profile_dir=_check_profile_dir(profile_dir))
+                                 profile_dir=_check_profile_dir(profile_dir),
+                                 warp_specialized=warp_specialized)
     outs = call(*tabs, q, k, v, rk, rv)
     return outs[0], outs[2]
 
 
 def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
-                    peer_axis=None, profile_dir=None):
+                    peer_axis=None, profile_dir=None, warp_specialized=False):
     """The staged compute launch and its table arguments (the forward tables, the task lists and
     the protocol run's commit map, 1-based with a 0 sentinel)."""
     t = forward_tables(tb, geom)
     t["delay"] = np.zeros(1, np.int32)
     smap = np.asarray(sim["map"], np.int64) + 1
     smap = np.concatenate([smap, np.zeros(1, np.int64)]).astype(np.int32)
+    pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
+    if warp_specialized:
+        t = ws.ws_tables(tb, t)
+        call = ws.build(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
+                        max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
+                        float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
+                        max(len(tb.seg), 1), t["span"], staged=True, interpret=bool(interpret))
+        return call, tuple(jnp.asarray(x) for x in ([t[name] for name in ws.WS_TABLES]
+                                                    + [pad(task), task_off, smap]))
     call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
                           geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
                           jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
                           max(tb.map_size, 1), max(len(tb.seg), 1), staged=True,
                           interpret=bool(interpret), peer_axis=peer_axis, profile_dir=profile_dir)
-    pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
     return call, tuple(jnp.asarray(x) for x in ([t[name] for name in _FWD_TABLES]
                                                 + [pad(task), task_off, smap]))
 

@@ -47,17 +47,12 @@ class TuningConfig:
   ``persistent``: one CTA per SM walking every (task, head) item
   (:mod:`tile_attention_fwd_persistent`) instead of one CTA per item; ``None`` (default) lets
   :func:`heuristics.persistent_forward` choose from the rows per segment slot. ``num_ctas``: the
-  persistent grid size (default: the device's SM count). ``mark_bad_rows``: how the wrapper
-  around the kernel (:func:`bad_data.forward`) writes NaN into the output rows that depend on a
-  bad input: ``"cond"`` rewrites ``out`` under a ``lax.cond`` taken only when some row is bad;
-  ``"scatter"`` scatters NaN into those rows in place, with no branch passing ``out`` through
-  (which XLA may copy). The kernel is the same; which costs less is open (docs/decisions.md).
+  persistent grid size (default: the device's SM count).
   """
   block_kv: int = 128
   max_concurrent_steps: int = 2
   persistent: bool | None = None
   num_ctas: int | None = None
-  mark_bad_rows: str = "cond"
 
   def __post_init__(self):
     if self.block_kv not in (64, 128):
@@ -68,8 +63,6 @@ class TuningConfig:
       raise ValueError(f"persistent must be None, True or False, got {self.persistent!r}")
     if self.num_ctas is not None and self.num_ctas < 1:
       raise ValueError(f"num_ctas must be None or >= 1, got {self.num_ctas}")
-    if self.mark_bad_rows not in ("cond", "scatter"):
-      raise ValueError(f"mark_bad_rows must be 'cond' or 'scatter', got {self.mark_bad_rows!r}")
 
   def use_persistent(self, num_q_rows: int, segment_slots: int) -> bool:
     """Whether the forward runs persistent for ``num_q_rows`` packed rows in ``segment_slots``
@@ -148,6 +141,9 @@ class StepCtx(NamedTuple):
   wg: Any
   row_div: int = 1  # causal rule uses tile row r // row_div (MegaDCP engine: heads per token)
   zero_v: Any = None  # traced bool: masked tiles' V rows outside [kv_lo, kv_hi) -> 0 (see below)
+  # ``mask_fn(slot) -> bool [bq, bkv]``: the visible (row, key) pairs of the tile in ``slot``, in
+  # place of the [kv_lo, kv_hi) / causal rule (the MegaRing engine masks by per-token codes)
+  mask_fn: Callable[[Any], Any] | None = None
 
   @property
   def uses_named_barrier(self) -> bool:
@@ -217,7 +213,9 @@ def softmax_step(cx: StepCtx, j, carry, *, masked: bool,
   if after_qk is not None:
     after_qk()
   s = s * cx.scale2  # log2 units: p = exp2(s - m)
-  if masked:
+  if masked and cx.mask_fn is not None:
+    s = jnp.where(cx.mask_fn(slot), s, -jnp.inf)
+  elif masked:
     rr = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + cx.r0
     kk = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
     ok = (kk >= cx.kv_lo) & (kk < cx.kv_hi)

@@ -1,0 +1,421 @@
+"""MegaRing engine forward, warp-specialized (Pallas Mosaic GPU, Hopper sm_90a).
+
+The same launches as :mod:`megaring_engine`'s forward (fused: one launch with the transfers,
+device-side commits, claims and merge locks; staged: static task lists after a transfer launch)
+and the same tables, outputs and protocol, with the task body of the tile-attention kernels: each
+CTA has **three warpgroups**. Two compute warpgroups own the two 64-row halves of a task's
+128-row Q tile and ping-pong on the KV tiles they share (:func:`tile_attention_fwd.softmax_step`,
+FlashAttention-3's schedule), so one's softmax overlaps the other's wgmma and every K / V tile
+is read once per task (the one-warpgroup kernel reads it once per half). The third warpgroup is
+the producer: a worker CTA's producer first runs the worker's transfers and inserts; then every
+producer claims tasks (fused: the cursor scan and CAS of :mod:`megaring_engine`, while the
+compute warpgroups run the previous task; staged: its static list), hands each task to the
+compute warpgroups through a two-slot SMEM mailbox and streams the task's Q rows and logical KV
+tiles (local rows, or the receive slot from the commit map) into a KV ring that runs across the
+CTA's tasks. Each compute warpgroup merges its half into the running state under the (Q tile,
+half) lock (paper Eq. 1) as before; the two share one f32 staging buffer, taking turns (warpgroup
+0 then 1, per task) so the kernel fits in SMEM at ``D = 128``.
+
+Masks by per-token codes: ``code = seq * span + pos`` (``-1``: padding; ``span`` a power of two
+above every position), so a key is visible to a query row of the segment's sequence ``s`` iff
+``s * span <= key code <= query code``: one compare per (row, key) after a per-key subtraction.
+
+Why it cannot deadlock (the fused launch; the staged one waits only on its own CTA). The protocol
+of :mod:`~liquidcp_jax.megaring.engine_protocol` is unchanged: workers never wait on compute, a
+published prefix only grows, every CTA is resident (grid <= SM count, one CTA per SM by SMEM), so
+every claim a scan waits for becomes claimable. Inside a CTA: the producer waits only on its own
+compute warpgroups' releases (mailbox slots, Q, ring slots) for tasks it already handed over,
+which they finish without waiting on the producer again; a compute warpgroup takes its turn of
+the staging buffer before the merge lock and holds the lock only for the merge's own TMA, so no
+lock holder waits on anything another lock holder holds.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from liquidcp_jax.megaring import engine_protocol as ep
+from liquidcp_jax.pallas import megaring_device as dev
+from liquidcp_jax.pallas import megaring_sync as msync
+from liquidcp_jax.pallas.common import LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params, swizzled
+from liquidcp_jax.pallas.sync import RingRelease, acquire_slot
+from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
+
+_BQ = 64          # query rows per compute warpgroup (wgmma M)
+_TILE = 128       # the plan's tile: two compute warpgroups' halves
+# Registers per thread by role (384 threads share 64 K): the compute warpgroups hold a 64 x D f32
+# accumulator and the 64 x 128 scores; the producer's scans, copies and claims need few.
+_REGS_COMPUTE, _REGS_PRODUCER = 232, 40
+_INT_MAX = np.iinfo(np.int32).max
+_MAILBOX = 4      # (segment, C, E, tiles merged before (staged)) per task; segment -1 ends
+
+
+def token_codes(tok_seq, tok_pos):
+    """``(codes [N] int32, span)``: ``seq * span + pos`` per token (``-1`` where ``seq < 0``),
+    ``span`` the least power of two above every position. ValueError if the codes overflow int32."""
+    seq = np.asarray(tok_seq, np.int64).reshape(-1)
+    pos = np.asarray(tok_pos, np.int64).reshape(-1)
+    ok = seq >= 0
+    top = int(pos[ok].max()) if ok.any() else 0
+    span = 1 << max(top, 1).bit_length()
+    if ok.any() and (int(seq[ok].max()) + 1) * span > _INT_MAX:
+        raise ValueError(f"tables: {int(seq[ok].max()) + 1} sequences x positions up to {top} do "
+                         f"not fit the kernel's int32 token codes")
+    return np.where(ok, seq * span + pos, -1).astype(np.int32), span
+
+
+def smem_bytes(d: int, itemsize: int, mcs: int, interpret: bool = False) -> int:
+    """Estimated SMEM of the launch (Q halves, KV ring, shared f32 state and output staging, codes,
+    mailbox, the interpreter's P staging)."""
+    b = (aligned(2 * _BQ * d * itemsize) + 2 * aligned(mcs * _TILE * d * itemsize)
+         + aligned(_BQ * d * 4) + aligned(_BQ * d * itemsize) + aligned(_BQ * 4)
+         + aligned(mcs * _TILE * 4) + aligned(2 * _BQ * 4) + 2 * 1024 + 512)
+    return b + (aligned(2 * _BQ * _TILE * itemsize) if interpret else 0)
+
+
+def unsupported(tile_size: int, d: int, dtype) -> str | None:
+    """Why this kernel cannot run a plan (None: it can)."""
+    if tile_size != _TILE:
+        return f"tiles of {_TILE} rows (two 64-row halves); the plan's are {tile_size}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"bfloat16 or float16; got {jnp.dtype(dtype)}"
+    if d not in (64, 128):
+        return f"head dim 64 or 128; got {d}"
+    if smem_bytes(d, jnp.dtype(dtype).itemsize, 2) > SMEM_LIMIT:
+        return "SMEM"
+    return None
+
+
+def ws_tables(tb: ep.EngineTables, t: dict) -> dict:
+    """The forward tables of :func:`megaring_engine.forward_tables` (``t``) plus ``code``
+    (:func:`token_codes` of every stacked row) and ``span``."""
+    code, span = token_codes(tb.tok_seq, tb.tok_pos)
+    return dict(t, code=code, span=span)
+
+
+WS_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_local", "tile_total",
+             "rank_total", "slot_src", "code", "delay")
+
+
+@functools.lru_cache(maxsize=16)
+def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale: float,
+          n_streams: int, map_size: int, n_seg: int, span: int, staged: bool = False,
+          interpret: bool = False, mcs: int = 2):
+    """The forward compute launch (see the module docstring). Inputs: the :data:`WS_TABLES`, then
+    fused ``q, k, v`` -> ``(out, rk, rv, state_o, state_lse, map)``; staged ``task, task_off, smap,
+    q, k, v, rk, rv`` -> ``(out, state_o, state_lse)`` (as :mod:`megaring_engine`)."""
+    dtype = jnp.dtype(dtype_name)
+    B = _TILE
+    G, C = (K if staged else P * K), n * B
+    scale2 = float(scale) * LOG2E
+    row_l = plgpu.Layout.WGMMA.reduce(1)
+    col_l = plgpu.Layout.WGMMA.reduce(0)
+    sf = ep.SF
+    tf = swizzled()
+
+    def kernel(*refs):
+        (rows_ref, off_ref, xins_ref, ins_ref, st_ref, seg_ref, seg_off_ref, seg_local_ref,
+         tile_total_ref, rank_total_ref, slot_src_ref, code_ref, delay_ref) = refs[:13]
+        if staged:
+            (task_ref, task_off_ref, smap_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
+             out_ref, so_ref, sl_ref) = refs[13:]
+        else:
+            q_ref, k_ref, v_ref, out_ref, rk_ref, rv_ref, so_ref, sl_ref, map_out_ref = refs[13:]
+            reserve, publish, dev_map, claim, claimed, locks, merged = dev.counters(
+                n_streams, map_size, n_seg, P, n)
+        c = lax.axis_index("sm")
+        wg = lax.axis_index("wg")
+        at, bcast = dev.at, dev.bcast
+
+        def body(q_smem2, k_smem, v_smem, o_smem, o16_smem, l_smem, kc_smem, qc_smem2, task_smem,
+                 scr, p_smem2, q_bar, k_bar, v_bar, k_used, v_used, q_free, task_ready,
+                 task_free, turn, s_bar, xbar, sched):
+            k_release, v_release = RingRelease(k_used), RingRelease(v_used)
+
+            # ------------------------------------------------------------------ producer
+            def post(k, j, c0, e0, prev):
+                """Task ``k`` (segment ``j``, tiles [c0, e0), ``prev`` merged before) into
+                mailbox slot ``k % 2`` once the compute warpgroups have read task ``k - 2``."""
+                slot = lax.rem(k, 2)
+                pl.when(k >= 2)(lambda: plgpu.barrier_wait(task_free.at[slot]))
+                for f, x in enumerate((j, c0, e0, prev)):
+                    task_smem[slot, f] = jnp.asarray(x, jnp.int32)
+                plgpu.barrier_arrive(task_ready.at[slot])
+
+            def issue(j, i, slot, pscr):
+                """TMA loads of segment ``j``'s logical tile ``i`` into ring slot ``slot``: K and
+                its keys' codes on ``k_bar`` (2 copies), V on ``v_bar``."""
+                rk_j = seg_ref[j, sf["rank"]]
+                nl, ls = seg_ref[j, sf["n_local"]], seg_ref[j, sf["local_start"]]
+                strm = jnp.maximum(seg_ref[j, sf["stream"]], 0)
+                local = i < nl
+                b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
+                mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
+                if staged:
+                    rslot = smap_ref[mpos] - 1
+                else:   # released by the insert before the publish that made the tile claimable
+                    rslot = msync.load_acquire(at(dev_map, mpos), pscr) - 1
+                rslot = jnp.maximum(rslot, 0)
+                lrow = rk_j * C + b * B
+                rrow = (rk_j * R + rslot) * B
+                meta = jnp.where(local, lrow, slot_src_ref[rk_j * R + rslot])
+                for src_k, src_v, row, when in ((k_ref, v_ref, lrow, local),
+                                                (rk_ref, rv_ref, rrow, ~local)):
+                    @pl.when(when)
+                    def _():
+                        rows = pl.ds(pl.multiple_of(row, 8), B)
+                        plgpu.copy_gmem_to_smem(src_k.at[rows], k_smem.at[slot], k_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(src_v.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+                plgpu.copy_gmem_to_smem(code_ref.at[pl.ds(pl.multiple_of(meta, 8), B)],
+                                        kc_smem.at[slot], k_bar.at[slot])
+
+            def load_task(k, cnt, j, c0, e0, pscr):
+                """Task ``k``'s Q halves (once task ``k - 1`` released Q) and its KV tiles (the
+                CTA's tiles ``cnt ..``, each once its ring slot is free)."""
+                pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free))
+                qrow0 = seg_ref[j, sf["rank"]] * C + seg_ref[j, sf["q_tile"]] * B
+                for w in range(2):
+                    rows = pl.ds(pl.multiple_of(qrow0 + w * _BQ, 8), _BQ)
+                    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem2.at[w], q_bar.at[w])
+                    plgpu.copy_gmem_to_smem(code_ref.at[rows], qc_smem2.at[w], q_bar.at[w])
+
+                @pl.loop(c0, e0)
+                def _(i):
+                    issue(j, i, acquire_slot(cnt + i - c0, mcs, k_release, v_release), pscr)
+
+            def teardown(k, cnt):
+                """Observe the last consumptions (every barrier phase seen before exit): ring
+                slots, the last Q, the mailbox slots of the last two posts."""
+                @pl.loop(jnp.maximum(cnt - mcs, 0), cnt)
+                def _(x):
+                    k_release.wait(lax.rem(x, jnp.int32(mcs)))
+                    v_release.wait(lax.rem(x, jnp.int32(mcs)))
+
+                pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free))
+
+                @pl.loop(jnp.maximum(k - 1, 0), k + 1)
+                def _(x):
+                    plgpu.barrier_wait(task_free.at[lax.rem(x, 2)])
+
+            def producer():
+                plgpu.set_max_registers(_REGS_PRODUCER, action="decrease")
+                pscr = scr.at[2]
+                if staged:
+                    def run(t, carry):
+                        k, cnt = carry
+                        j, c0, e0 = task_ref[t, 0], task_ref[t, 1], task_ref[t, 2]
+                        post(k, j, c0, e0, task_ref[t, 3])
+                        load_task(k, cnt, j, c0, e0, pscr)
+                        return k + 1, cnt + (e0 - c0)
+
+                    z = jnp.int32(0)
+                    k, cnt = lax.fori_loop(task_off_ref[c], task_off_ref[c + 1], run, (z, z))
+                else:
+                    is_worker = c < P * W
+                    rank = jnp.where(is_worker, lax.rem(c, P), lax.rem(c - P * W, P))
+                    communicate(is_worker, pscr)
+                    k, cnt = claim_loop(rank, pscr)
+                post(k, jnp.int32(-1), 0, 0, 0)   # the end
+                teardown(k, cnt)
+
+            # ------------------------------------------------------------------ fused only
+            def communicate(is_worker, pscr):
+                """A worker's transfers in host order, each inserted once K and V are written
+                (through ring slot 0, free until the first task): :mod:`megaring_device`."""
+                cw = jnp.minimum(c, P * W - 1)
+                i0 = jnp.where(is_worker, off_ref[cw], 0)
+                i1 = jnp.where(is_worker, off_ref[cw + 1], 0)
+
+                @pl.loop(i0, i1)
+                def _(i):
+                    dev.relay_and_insert(
+                        i, B, rows_ref, delay_ref, xins_ref, (k_ref, v_ref), (rk_ref, rv_ref),
+                        (k_smem.at[0], v_smem.at[0]), xbar,
+                        dev.Streams(reserve, publish, dev_map, map_out_ref, ins_ref, st_ref), pscr)
+
+            def claim_loop(rank, pscr):
+                """Claims until the rank's tiles are all claimed; each claimed task is posted and
+                loaded at once. Returns ``(tasks, tiles)`` of this CTA."""
+                s0, s1 = seg_off_ref[rank], seg_off_ref[rank + 1]
+
+                def claim_step(st):
+                    _, cursor, k, cnt = st
+                    j, c0, Rj = dev.claim_scan(cursor, s0, s1, seg_ref, st_ref, claim, publish,
+                                               pscr)
+                    jc = jnp.maximum(j, 0)
+                    e0 = c0 + jnp.minimum(Rj - c0, seg_ref[jc, sf["tau_max"]])
+                    old = lax.cond(j >= 0, lambda: msync.compare_and_swap(at(claim, jc), pscr, c0, e0),
+                                   lambda: jnp.int32(-1))
+                    won = (j >= 0) & (old == c0)
+
+                    @pl.when(won)
+                    def _():
+                        msync.fetch_add(at(claimed, rank), pscr, e0 - c0)
+                        post(k, j, c0, e0, 0)
+                        load_task(k, cnt, j, c0, e0, pscr)
+
+                    got = msync.load_acquire(at(claimed, rank), pscr)
+                    return ((got >= rank_total_ref[rank]).astype(jnp.int32),
+                            jnp.where(j >= 0, j, cursor), k + won.astype(jnp.int32),
+                            cnt + jnp.where(won, e0 - c0, 0))
+
+                # the rank's K CTAs start evenly spread over its segments, so they rarely meet
+                cursor0 = s0 + (c // P) * (s1 - s0) // K
+                z = jnp.int32(0)
+                _, _, k, cnt = lax.while_loop(lambda st: st[0] == 0, claim_step,
+                                              (z, cursor0, z, z))
+                return k, cnt
+
+            # ------------------------------------------------------------------ compute
+            def compute():
+                plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
+                cscr = scr.at[wg]
+
+                def run_task(k, cnt, j, c0, e0, prev_s):
+                    nt = e0 - c0
+                    rk_j, a = seg_ref[j, sf["rank"]], seg_ref[j, sf["q_tile"]]
+                    lo = seg_ref[j, sf["seq"]] * span
+                    plgpu.barrier_wait(q_bar.at[wg])
+                    qc = plgpu.load(qc_smem2.at[wg], layout=row_l)
+                    qd = qc - bcast(lo, (_BQ,), row_l)
+                    # rows of another sequence see no key: -1 is below every key's distance
+                    hd = jnp.where((qd >= 0) & (qd < span), qd, -1)
+                    lo_k = bcast(lo, (B,), col_l)
+
+                    def mask_fn(slot):
+                        kd = plgpu.load(kc_smem.at[slot], layout=col_l) - lo_k
+                        kd = jnp.where(kd >= 0, kd, _INT_MAX)   # another sequence / padding
+                        return (lax.broadcast_in_dim(kd, (_BQ, B), [1])
+                                <= lax.broadcast_in_dim(hd, (_BQ, B), [0]))
+
+                    slot_of = lambda i: lax.rem(cnt + i, jnp.int32(mcs))  # noqa: E731
+                    cx = StepCtx(q_smem2.at[wg], k_smem, v_smem,
+                                 p_smem2.at[wg] if interpret else None, k_bar, v_bar, k_release,
+                                 v_release, sched, wg * _BQ, 0, 0, 0, nt, slot_of, _BQ, B, D,
+                                 dtype, True, scale2, interpret, True, wg, mask_fn=mask_fn)
+                    plgpu.barrier_wait(k_bar.at[slot_of(0)])   # later tiles: the step's prefetch
+                    cx.sched_start()
+
+                    def step(i, carry):
+                        def release_q():   # last Q K^T issued: the producer may load the next Q
+                            pl.when(i == nt - 1)(lambda: plgpu.barrier_arrive(q_free))
+                        return softmax_step(cx, i, carry, masked=True, after_qk=release_q)
+
+                    init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), plgpu.Layout.WGMMA),
+                            plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
+                            plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), row_l))
+                    acc, m_i, l_i = lax.fori_loop(0, nt, step, init)
+                    cx.sched_end(wait=True)
+                    empty = l_i == 0.0
+                    o = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l_i), acc.shape, [0])
+                    lse = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) * LN2
+                                    + jnp.log(jnp.where(empty, 1.0, l_i)))
+                    merge(k, rk_j, a, nt, prev_s, o, lse)
+
+                def merge(k, rk_j, a, nt, prev_s, o, lse):
+                    """Eq. 1 into the running state of this half: the staging buffers in turn
+                    (warpgroup 0 after 1's previous merge, 1 after 0's), then the lock."""
+                    pl.when((wg == 0) & (k > 0))(lambda: plgpu.barrier_wait(turn.at[1]))
+                    pl.when(wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
+                    u = (rk_j * n + a) * 2 + wg
+                    drow = pl.multiple_of(rk_j * C + a * B + wg * _BQ, 8)
+                    if staged:
+                        prev = prev_s
+                    else:
+                        msync.lock_acquire(at(locks, u), cscr)
+                        prev = msync.load_acquire(at(merged, u), cscr)
+
+                    @pl.when(prev > 0)
+                    def _():   # the first merge has no running state to read
+                        plgpu.copy_gmem_to_smem(so_ref.at[pl.ds(drow, _BQ)], o_smem,
+                                                s_bar.at[2 * wg])
+                        plgpu.copy_gmem_to_smem(sl_ref.at[pl.ds(drow, _BQ)], l_smem,
+                                                s_bar.at[2 * wg + 1])
+                        plgpu.barrier_wait(s_bar.at[2 * wg])
+                        plgpu.barrier_wait(s_bar.at[2 * wg + 1])
+
+                    o_new, l_new = dev.merge_eq1(prev, o, lse, o_smem, l_smem, _BQ, D)
+                    done_tiles = prev + nt
+                    last = done_tiles == tile_total_ref[rk_j * n + a]
+
+                    @pl.when(~last)
+                    def _():   # the f32 state is read only by a later merge
+                        o_smem[...] = o_new
+
+                    @pl.when(last)
+                    def _():   # the last merge of this half writes the output rows
+                        o16_smem[...] = o_new.astype(dtype)
+
+                    l_smem[...] = l_new   # the LSE is an output
+                    plgpu.commit_smem()
+                    pl.when(~last)(lambda: plgpu.copy_smem_to_gmem(o_smem, so_ref.at[pl.ds(drow, _BQ)]))
+                    pl.when(last)(lambda: plgpu.copy_smem_to_gmem(o16_smem, out_ref.at[pl.ds(drow, _BQ)]))
+                    plgpu.copy_smem_to_gmem(l_smem, sl_ref.at[pl.ds(drow, _BQ)])
+                    plgpu.wait_smem_to_gmem(0)   # written, and the staging buffers read
+                    if not staged:
+                        msync.store_release(at(merged, u), done_tiles)
+                        msync.lock_release(at(locks, u))
+                    plgpu.barrier_arrive(turn.at[wg])
+
+                def task_step(st):
+                    _, k, cnt = st
+                    slot = lax.rem(k, 2)
+                    plgpu.barrier_wait(task_ready.at[slot])
+                    j, c0, e0, prev_s = (task_smem[slot, f] for f in range(_MAILBOX))
+                    plgpu.barrier_arrive(task_free.at[slot])   # each thread has its copy
+                    pl.when(j >= 0)(lambda: run_task(k, cnt, j, c0, e0, prev_s))
+                    return j, k + 1, cnt + jnp.where(j >= 0, e0 - c0, 0)
+
+                z = jnp.int32(0)
+                _, k, _ = lax.while_loop(lambda st: st[0] >= 0, task_step, (z, z, z))
+                # warpgroup 1's last turn (k - 1 tasks ran: the last post was the end)
+                pl.when((wg == 0) & (k > 1))(lambda: plgpu.barrier_wait(turn.at[1]))
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.when(wg < 2)(compute)
+            pl.when(wg == 2)(producer)
+
+        pl.run_scoped(
+            body,
+            plgpu.SMEM((2, _BQ, D), dtype, transforms=tf),
+            plgpu.SMEM((mcs, B, D), dtype, transforms=tf),
+            plgpu.SMEM((mcs, B, D), dtype, transforms=tf),
+            plgpu.SMEM((_BQ, D), jnp.float32),
+            plgpu.SMEM((_BQ, D), dtype, transforms=tf),
+            plgpu.SMEM((_BQ,), jnp.float32),
+            plgpu.SMEM((mcs, B), jnp.int32),
+            plgpu.SMEM((2, _BQ), jnp.int32),
+            plgpu.SMEM((2, _MAILBOX), jnp.int32),
+            plgpu.SMEM((3, 1), jnp.int32),
+            plgpu.SMEM((2, _BQ, B), dtype, transforms=tf) if interpret else None,
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),            # q_bar: Q + codes
+            plgpu.Barrier(num_arrivals=2, num_barriers=mcs),          # k_bar: K + codes
+            plgpu.Barrier(num_barriers=mcs),                          # v_bar
+            plgpu.Barrier(num_arrivals=2, num_barriers=mcs),          # k_used
+            plgpu.Barrier(num_arrivals=2, num_barriers=mcs),          # v_used
+            plgpu.Barrier(num_arrivals=2),                            # q_free
+            plgpu.Barrier(num_barriers=2),                            # task_ready
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),            # task_free
+            plgpu.Barrier(num_barriers=2),                            # turn
+            plgpu.Barrier(num_barriers=4),                            # s_bar (per warpgroup)
+            plgpu.Barrier(num_barriers=2),                            # xbar (transfers)
+            plgpu.Barrier(num_arrivals=2),                            # sched (interpreter)
+            collective_axes="wg")
+
+    state = (jax.ShapeDtypeStruct((P * C, D), jnp.float32), jax.ShapeDtypeStruct((P * C,), jnp.float32))
+    if staged:
+        out_type = (jax.ShapeDtypeStruct((P * C, D), dtype),) + state
+    else:
+        recv = jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype)
+        out_type = ((jax.ShapeDtypeStruct((P * C, D), dtype), recv, recv) + state
+                    + (jax.ShapeDtypeStruct((max(map_size, 1),), jnp.int32),))
+    return plgpu.kernel(kernel, out_type=out_type, grid=(G,), grid_names=("sm",), num_threads=3,
+                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                        **interpret_params(interpret))
