@@ -100,39 +100,32 @@ def claim_scan(cursor, s0, s1, seg_ref, st_ref, claim, publish, scr):
     claimed segment costs one acquire load, the others three; the scan stops at the first
     claimable one (each acquire load is a round trip to L2)."""
     sf = ep.SF
+    total_of = lambda j: seg_ref[j, sf["n_local"]] + seg_ref[j, sf["n_remote"]]  # noqa: E731
 
-    def ready(j):
-        nl, sid, nr = seg_ref[j, sf["n_local"]], seg_ref[j, sf["stream"]], seg_ref[j, sf["n_remote"]]
+    def ready(j):   # R of segment j from its stream's published prefix
+        sid, nr = seg_ref[j, sf["stream"]], seg_ref[j, sf["n_remote"]]
         sidc = jnp.maximum(sid, 0)
         F = st_ref[sidc, 0]
         p0 = msync.load_acquire(at(publish, 2 * sidc), scr)
         p1 = msync.load_acquire(at(publish, 2 * sidc + 1), scr)
         pub = jnp.where(p0 < F, p0, F + p1)
-        rem = jnp.where(sid >= 0, jnp.minimum(pub, nr), 0)
-        return nl + rem
-
-    def total_of(j):
-        return seg_ref[j, sf["n_local"]] + seg_ref[j, sf["n_remote"]]
-
-    def claimable(j, cj, R):
-        total = total_of(j)
-        return (cj < total) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == total) & (R > cj)))
+        return seg_ref[j, sf["n_local"]] + jnp.where(sid >= 0, jnp.minimum(pub, nr), 0)
 
     S = s1 - s0
 
     def cond(st):
         return (st[1] < 0) & (st[0] < S)
 
-    def body(st):
-        k = st[0]
-        j = s0 + lax.rem(cursor - s0 + k, jnp.maximum(S, 1))
+    def step(st):
+        j = s0 + lax.rem(cursor - s0 + st[0], jnp.maximum(S, 1))
         cj = msync.load_acquire(at(claim, j), scr)
-        R = lax.cond(cj < total_of(j), lambda: ready(j), lambda: jnp.int32(0))
-        ok = claimable(j, cj, R)
-        return (k + 1, jnp.where(ok, j, -1), cj, R)
+        tot = total_of(j)
+        R = lax.cond(cj < tot, lambda: ready(j), lambda: jnp.int32(0))
+        ok = (cj < tot) & ((R - cj >= seg_ref[j, sf["tau_min"]]) | ((R == tot) & (R > cj)))
+        return (st[0] + 1, jnp.where(ok, j, -1), cj, R)
 
     z = jnp.int32(0)
-    _, j, cj, R = lax.while_loop(cond, body, (z, jnp.int32(-1), z, z))
+    _, j, cj, R = lax.while_loop(cond, step, (z, jnp.int32(-1), z, z))
     return j, cj, R
 
 
@@ -141,17 +134,17 @@ def merge_eq1(prev, o, lse, o_smem, l_smem, rows: int, d: int):
     ``l_smem`` (natural-log LSE), valid iff ``prev > 0`` tiles were merged before (else masked:
     the first merge initialises), with this task's ``(o, lse)``. Returns ``(o_new, l_new)``."""
     row_l = plgpu.Layout.WGMMA.reduce(1)
-    o_old = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA)
-    has_v = bcast(prev, (rows,), row_l) > 0
-    l_old = jnp.where(has_v, plgpu.load(l_smem, layout=row_l), -jnp.inf)
+    has = bcast(prev, (rows,), row_l) > 0
+    o_old = jnp.where(bcast(prev, (rows, d), plgpu.Layout.WGMMA) > 0,
+                      plgpu.load(o_smem, layout=plgpu.Layout.WGMMA), 0.0)
+    l_old = jnp.where(has, plgpu.load(l_smem, layout=row_l), -jnp.inf)
     mx = jnp.maximum(l_old, lse)
-    mu_ = jnp.where(mx == -jnp.inf, 0.0, mx)
-    w0, w1 = jnp.exp(l_old - mu_), jnp.exp(lse - mu_)
+    mu = jnp.where(mx == -jnp.inf, 0.0, mx)
+    w0, w1 = jnp.exp(l_old - mu), jnp.exp(lse - mu)
     tot = w0 + w1
-    nz_ = tot > 0
-    inv = 1.0 / jnp.where(nz_, tot, 1.0)
-    o_old = jnp.where(bcast(prev, (rows, d), plgpu.Layout.WGMMA) > 0, o_old, 0.0)
+    nz = tot > 0
+    inv = 1.0 / jnp.where(nz, tot, 1.0)
     o_new = (o_old * lax.broadcast_in_dim(w0 * inv, o_old.shape, [0])
              + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
-    l_new = jnp.where(nz_, mu_ + jnp.log(jnp.where(nz_, tot, 1.0)), -jnp.inf)
+    l_new = jnp.where(nz, mu + jnp.log(jnp.where(nz, tot, 1.0)), -jnp.inf)
     return o_new, l_new
