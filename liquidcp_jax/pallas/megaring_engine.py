@@ -451,12 +451,7 @@ def _build_forward(P: int, W: int, K: int, n: int, B: int, R: int, D: int, dtype
         if not staged:
             reserve, publish, dev_map, claim, claimed, locks, merged = dev.counters(
                 n_streams, map_size, n_seg, P, n)
-        at = lambda ref, i: ref.at[pl.ds(i, 1)]  # noqa: E731
-
-        def bcast(x, shape, layout):
-            """A scalar as an array of ``shape`` in ``layout`` (no implicit broadcasts in
-            warpgroup semantics)."""
-            return plgpu.layout_cast(lax.broadcast_in_dim(x, shape, ()), layout)
+        at, bcast = dev.at, dev.bcast
 
         def scoped(xbar, scr, q_smem, k_smem, v_smem, o_smem, l_smem, kbar, vbar, qbar,
                    qmeta, kmeta, mbar, sbar, p_smem):
@@ -744,12 +739,8 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
                              f"shape {d.shape}")
         t["delay"] = np.concatenate([d.astype(np.int32), np.zeros(1, np.int32)])
     if _use_ws(warp_specialized, geom, q, profile_dir):
-        t = ws.ws_tables(tb, t)
-        call = ws.build(geom.num_ranks, W, int(ctas_per_rank), geom.tiles,
-                        max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
-                        float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                        max(len(tb.seg), 1), t["span"])
-        outs = call(*(jnp.asarray(t[name]) for name in ws.WS_TABLES), q, k, v)
+        call, tabs = _ws_compute(tb, geom, t, int(ctas_per_rank), q, scale)
+        outs = call(*tabs, q, k, v)
         return outs[0], outs[4]
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
@@ -757,6 +748,19 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
                           max(len(tb.seg), 1), profile_dir=_check_profile_dir(profile_dir))
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
+
+
+def _ws_compute(tb, geom, t, num_ctas: int, q, scale, staged: bool = False,
+                interpret: bool = False):
+    """The three-warpgroup compute launch (``num_ctas``: per rank fused, in all staged) and its
+    table arguments (``t``: :func:`forward_tables` with ``delay``, plus the staged lists)."""
+    t = ws.ws_tables(tb, t)
+    call = ws.build(geom.num_ranks, tb.comm_per_rank, num_ctas, geom.tiles,
+                    max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
+                    float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
+                    max(len(tb.seg), 1), t["span"], staged=staged, interpret=bool(interpret))
+    names = ws.WS_TABLES + (("task", "task_off", "smap") if staged else ())
+    return call, tuple(jnp.asarray(t[name]) for name in names)
 
 
 def _use_ws(warp_specialized, geom: RingGeometry, q, profile_dir) -> bool:
@@ -873,13 +877,8 @@ def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret
     smap = np.concatenate([smap, np.zeros(1, np.int64)]).astype(np.int32)
     pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
     if warp_specialized:
-        t = ws.ws_tables(tb, t)
-        call = ws.build(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
-                        max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
-                        float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                        max(len(tb.seg), 1), t["span"], staged=True, interpret=bool(interpret))
-        return call, tuple(jnp.asarray(x) for x in ([t[name] for name in ws.WS_TABLES]
-                                                    + [pad(task), task_off, smap]))
+        return _ws_compute(tb, geom, dict(t, task=pad(task), task_off=task_off, smap=smap),
+                           int(num_ctas), q, scale, staged=True, interpret=interpret)
     call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
                           geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
                           jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
