@@ -17,20 +17,24 @@ ablation (the engine steps run every head in one launch per pass, heads as copie
   fused_tau1      one fused launch, device-side commit counters and claims, one KV tile per
                   task (``task_tiles = 1``: no coalescing)
   fused           the fused launch with readiness-driven coalescing (the plan's ``tau_max``)
-  staged_ws       ``staged`` with the three-warpgroup compute kernel (``megaring_engine_ws``:
-                  two compute warpgroups share each task's KV tiles, a producer loads them)
-  fused_ws        ``fused`` with the three-warpgroup kernel (the producer claims while the
+  staged_ws       ``staged`` with the three-warpgroup kernels: the forward's compute
+                  (``megaring_engine_ws``: two compute warpgroups share each task's KV tiles, a
+                  producer loads them) and the backward (``megaring_engine_bwd_ws``: the two
+                  own a KV tile's key halves, a producer streams the query side; static lists)
+  fused_ws        ``fused`` with the three-warpgroup kernels (the producers claim while the
                   compute warpgroups run the previous task)
   ==============  =====================================================================
 
 Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
 (``varlen_attention``, every sequence local) over ``P`` times the slowest rank (segment ring) or
 over the launch time (the engine steps: all ``P`` ranks share the GPU in one launch, each with
-``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU).
+``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU). The one-step
+time is measured before and after a case's steps and the faster of the two counts.
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
         [--steps fused_ws,staged_ws,fused,fused_tau1,staged,segment_ring,fused_merge] [--reps 10] [--budget-s S] [--out PATH]
-        [--profile DIR]    # also: each engine step's forward under the profiler, per-CTA breakdown
+        [--profile DIR]    # also: each engine step's forward (one-warpgroup steps) or backward
+                           # (``*_ws`` steps) under the profiler, per-CTA breakdown
     python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens, 2 heads
 
 On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
@@ -100,7 +104,7 @@ def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool,
     fns = {"staged": engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw),
            "fused_tau1": engine_launches("fused", tb1, geom, **kw),
            "fused": engine_launches("fused", tb, geom, **kw)}
-    if profile_dir is None:   # the three-warpgroup kernel has no profile mode
+    if profile_dir is None:   # the three-warpgroup forward has no profile mode
         kw["warp_specialized"] = True
         fns["staged_ws"] = engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw)
         fns["fused_ws"] = engine_launches("fused", tb, geom, **kw)
@@ -129,6 +133,33 @@ def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, roo
     return out
 
 
+def profile_backward(step: str, tb, geom, scale: float, num_sms: int, args, root: str) -> dict:
+    """One profiled three-warpgroup backward of a ``*_ws`` step (traces under ``root/<step>_bwd``;
+    the step's claims: dynamic for ``fused_ws``, static lists for ``staged_ws``): per region of
+    ``megaring_engine_bwd_ws.PROFILE_REGIONS``, the mean and max over the CTAs of its time per
+    CTA (µs), and the mean entries per CTA."""
+    import os
+    import jax
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
+    from liquidcp_jax.pallas import profile_trace
+    d = os.path.join(root, step + "_bwd")
+    os.makedirs(d, exist_ok=True)
+    q, k, v, do = args
+    out, lse = jax.jit(engine_fns(tb, tb, geom, scale, num_sms, False)[step][0])(q, k, v)
+    K = ctas_per_rank(tb, geom, num_sms)
+    claims = dict(ctas_per_rank=K) if step == "fused_ws" else dict(num_ctas=geom.num_ranks * K)
+    f = jax.jit(lambda *x: bws.backward_ws(*x, tb, geom, scale=scale, profile_dir=d, **claims))
+    for _ in range(2):   # the second launch's trace: compiled and warm
+        jax.block_until_ready(f(q, k, v, out, lse, do))
+    br = bws.profile_breakdown(profile_trace.latest_trace(d), geom.num_ranks * K,
+                               H.sm_clock_ghz() or 1.98)
+    res = {name: {"mean_us": round(float(v.mean()), 2), "max_us": round(float(v.max()), 2)}
+           for name, v in br.items() if not name.endswith("_count")}
+    res["entries_per_cta"] = {name[:-6]: round(float(v.mean()), 2)
+                              for name, v in br.items() if name.endswith("_count")}
+    return res
+
+
 def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -140,9 +171,9 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
 
     lengths = A.batch_lengths(case["dataset"], case["tokens"])
     P, B, Hh, D = case["ranks"], a.tile, a.heads, a.head_dim
-    lay, tb, g = build(lengths, P, B, a.task_tiles)
-    _, tbh, gh = build(lengths, P, B, a.task_tiles, heads=Hh)   # all heads in one launch
-    _, tbh1, _ = build(lengths, P, B, 1, heads=Hh)
+    lay, tb, g = build(lengths, P, B, a.task_tiles, a.comm)
+    _, tbh, gh = build(lengths, P, B, a.task_tiles, a.comm, heads=Hh)   # all heads in one launch
+    _, tbh1, _ = build(lengths, P, B, 1, a.comm, heads=Hh)
     scale = D ** -0.5
     T = int(lengths.sum())
     rng = np.random.default_rng(0)
@@ -154,7 +185,8 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     base = {"case": case.name, "dataset": case["dataset"], "tokens": T, "ranks": P,
             "num_seqs": len(lengths), "heads": Hh, "tile": B,
             "group_sizes": sorted({int(s) for s in lay.sizes.tolist()}),
-            "tau_max": a.task_tiles, "one_tile_tasks": ep.one_tile_tasks(tb)}
+            "tau_max": a.task_tiles, "comm_per_rank": a.comm,
+            "one_tile_tasks": ep.one_tile_tasks(tb)}
     rows = []
     one_ms = None
     if not a.interpret:
@@ -254,6 +286,13 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     print(f"    {step} profile, us per CTA (mean / max): " + ", ".join(
                         f"{n[5:]} {v['mean_us']:.0f} / {v['max_us']:.0f}" for n, v in pr.items()
                         if n != "entries_per_cta"), flush=True)
+                if a.profile and not a.interpret and step.endswith("_ws") and a.bwd:
+                    pr = profile_backward(step, tbh, gh, scale, num_sms,
+                                          (flat(qc), flat(kc), flat(vc), flat(doc)), a.profile)
+                    row["bwd_profile"] = pr
+                    print(f"    {step} backward profile, us per CTA (mean / max): " + ", ".join(
+                        f"{n[4:]} {v['mean_us']:.0f} / {v['max_us']:.0f}" for n, v in pr.items()
+                        if n != "entries_per_cta"), flush=True)
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
             row["error"] = H.error_text(e)
         rows.append(row)
@@ -261,7 +300,29 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
         print("  " + " ".join(f"{k}={row[k]}" for k in ("case", "step", "ms", "efficiency",
                                                           "fb_ms", "fb_efficiency", "rel_error",
                                                           "error") if k in row), flush=True)
+    if one_ms is not None:   # the reference again: efficiencies against the faster of the two
+        rows[0]["ms_after"] = round(H.time_fn(one, *args, reps=a.reps).median_ms, 4)
+        if a.bwd:
+            rows[0]["fb_ms_after"] = round(H.time_fn(one_fb, *args, t3(do), reps=a.reps).median_ms, 4)
+        print(f"  case={case.name} step=one_step (again) ms={rows[0]['ms_after']} "
+              f"fb_ms={rows[0].get('fb_ms_after')}", flush=True)
+        rescore(rows, P)
     return rows
+
+
+def rescore(rows: list[dict], P: int) -> None:
+    """Efficiencies of ``rows`` (``rows[0]`` the one-step reference, timed before and after the
+    steps) against the faster of its two timings, so that a clock that drifts during the run
+    cannot inflate them; the segment ring's per rank (``P`` times its slowest rank)."""
+    ref = rows[0]
+    for key, eff in (("ms", "efficiency"), ("fb_ms", "fb_efficiency")):
+        if key not in ref:
+            continue
+        best = min(ref[key], ref.get(key + "_after", ref[key]))
+        for row in rows[1:]:
+            if key in row:
+                per = P if "ms_per_rank" in row else 1
+                row[eff] = round(best / per / row[key], 3)
 
 
 def main(argv=None):
@@ -274,12 +335,15 @@ def main(argv=None):
     ap.add_argument("--tile", type=int, default=128, help="tile rows (64 or 128)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dimension (64 or 128)")
     ap.add_argument("--task-tiles", type=int, default=8, help="tau_max cap of the coalescing step")
+    ap.add_argument("--comm", type=int, default=2,
+                    help="communication workers per rank (the fused steps' transfer CTAs)")
     ap.add_argument("--check", action="store_true", help="check the engine steps vs float64")
     ap.add_argument("--fwd-only", dest="bwd", action="store_false",
                     help="time the forward only (default: also forward+backward)")
     ap.add_argument("--profile", metavar="DIR", default=None,
-                    help="also run each engine step's forward once under Mosaic GPU's profiler "
-                         "(traces in DIR) and record where its CTAs' time goes")
+                    help="also run each engine step once under Mosaic GPU's profiler (traces in "
+                         "DIR) and record where its CTAs' time goes: the forward of the "
+                         "one-warpgroup steps, the backward of the *_ws steps")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens, 2 heads")
     H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)

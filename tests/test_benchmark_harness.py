@@ -177,3 +177,17 @@ def test_megaring_engine_ablation_smoke(tmp_path):
     assert row["rel_error"] < 2e-2 and row["ranks"] == 4 and row["num_seqs"] > 1
     assert row["heads"] == 2
     assert "profile" not in row   # the profiler runs on a GPU only (the interpreter has none)
+
+
+def test_megaring_engine_efficiency_uses_the_faster_reference():
+    """The one-step reference is timed before and after a case's steps; efficiencies use the
+    faster timing (a drifting clock cannot inflate them), the segment ring's per rank."""
+    from benchmarks import megaring_engine
+    rows = [{"step": "one_step", "ms": 2.0, "ms_after": 1.5, "fb_ms": 4.0, "fb_ms_after": 5.0},
+            {"step": "fused_ws", "ms": 3.0, "fb_ms": 8.0, "efficiency": 0.667},
+            {"step": "segment_ring", "ms": 1.0, "ms_per_rank": [1.0] * 4},
+            {"step": "fused", "error": "x"}]
+    megaring_engine.rescore(rows, 4)
+    assert rows[1]["efficiency"] == 0.5 and rows[1]["fb_efficiency"] == 0.5
+    assert rows[2]["efficiency"] == round(1.5 / 4 / 1.0, 3) and "fb_efficiency" not in rows[2]
+    assert "efficiency" not in rows[3]

@@ -191,7 +191,8 @@ def test_backward_staged_lowers_for_sm90(case, d, dtype):
     rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), d), dtype)
     lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
     f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: mb.backward_staged(
-        q, k, v, o, lse, do, tb, g, scale=0.1, num_ctas=16, recv=(rk, rv)))
+        q, k, v, o, lse, do, tb, g, scale=0.1, num_ctas=16, recv=(rk, rv),
+        warp_specialized=False))
     txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
@@ -209,7 +210,8 @@ def test_backward_fused_lowers_for_sm90(case, d, dtype, ctas):
     rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), d), dtype)
     lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
     f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: mf.backward_fused(
-        q, k, v, o, lse, do, tb, g, scale=0.1, ctas_per_rank=ctas, recv=(rk, rv)))
+        q, k, v, o, lse, do, tb, g, scale=0.1, ctas_per_rank=ctas, recv=(rk, rv),
+        warp_specialized=False))
     txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
@@ -271,3 +273,167 @@ def test_backward_fused_validation():
     x32 = x.astype(jnp.float32)
     with pytest.raises(ValueError, match="dtype"):
         mf.backward_fused(x32, x32, x32, x32, lse, x32, tb, g, scale=0.1, ctas_per_rank=2)
+
+
+# ----------------------------------------------------------------------------- three warpgroups
+
+@pytest.mark.parametrize("d,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
+def test_ws_backward_lowers_for_sm90(d, dtype):
+    """The three-warpgroup backward lowers for sm_90a, dynamic claims (through ``backward_fused``)
+    and static lists (through ``backward_staged``): one Mosaic GPU kernel each."""
+    import jax
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    tb, g = plan(1)                       # tiles of 128
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), dtype)
+    rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), d), dtype)
+    lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
+    for run in (lambda *x, rk, rv: mf.backward_fused(*x, tb, g, scale=0.1, ctas_per_rank=3,
+                                                    recv=(rk, rv), warp_specialized=True),
+                lambda *x, rk, rv: mb.backward_staged(*x, tb, g, scale=0.1, num_ctas=10,
+                                                     recv=(rk, rv), warp_specialized=True)):
+        f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: run(q, k, v, o, lse, do, rk=rk, rv=rv))
+        txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
+        assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_ctas", [None, 5])
+def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
+    """The three-warpgroup launch's tables run in NumPy as the kernel reads them: keys from ``k``
+    or the receive slot a transfer filled, the mask from the token codes (``kd <= hd``), 64-key
+    / 64-query halves, reduce-adds at the rows the tables name. float64 gradients equal the
+    reference (every valid pair exactly once); static lists hold every task once."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    from liquidcp_jax.pallas.megaring_engine_ws import token_codes
+    tb, g = plan(1, causal)
+    bt = eb.build_backward_tables(tb)
+    t = bw.ws_tables(bt, g, num_ctas)
+    ref_t = bw.ws_tables(bt, g, None)
+    if num_ctas is None:   # each rank's queue: its tasks, longest first
+        assert len(t["task_off"]) == g.num_ranks + 1
+        f = mf.fused_tables(bt, g)
+        for d in range(g.num_ranks):
+            mine = t["task"][t["task_off"][d]:t["task_off"][d + 1]]
+            assert (np.diff(mine[:, bw.WT["ent_count"]]) <= 0).all()
+            assert len(mine) == f["task_off"][d + 1] - f["task_off"][d]
+    else:
+        assert len(t["task_off"]) == num_ctas + 1 and t["task_off"][-1] == len(t["task"])
+        assert sorted(map(tuple, t["task"].tolist())) == sorted(map(tuple, ref_t["task"].tolist()))
+    B, H, rows = g.tile_size, 64, g.num_ranks * g.rows
+    q, k, v, do = (rng.standard_normal((rows, 8)) for _ in range(4))
+    o, lse, dq_ref, dk_ref, dv_ref = eb.reference_grads(tb, q, k, v, do, 0.3)
+    code, span = token_codes(tb.tok_seq, tb.tok_pos)
+    xrows, _, _ = me.transfer_lists(tb, g)
+    recv = {dst: src for src, dst in xrows.tolist()}     # receive row -> the owner's row it holds
+    dq, dk, dv = (np.zeros_like(q) for _ in range(3))
+    delta = (do * o).sum(1)
+    w = bw.WT
+    for row in t["task"].tolist():
+        src = recv[row[w["kv_row"]]] if row[w["remote"]] else row[w["kv_row"]]
+        assert src == row[w["code_row"]] == row[w["owner_row"]]
+        for hk in range(2):
+            kr = src + hk * H + np.arange(H)
+            for e in range(row[w["ent_start"]], row[w["ent_start"]] + row[w["ent_count"]]):
+                qr0, sid = t["ent"][e]
+                kd = code[row[w["code_row"]] + hk * H + np.arange(H)] - sid * span
+                kd = (np.where(kd >= 0, kd, np.iinfo(np.int32).max) if causal else
+                      np.where((kd >= 0) & (kd < span), 0, np.iinfo(np.int32).max))
+                for hq in range(2):
+                    qr = qr0 + hq * H + np.arange(H)
+                    qd = code[qr] - sid * span
+                    hd = np.where((qd >= 0) & (qd < span), qd if causal else 0, -1)
+                    m = kd[None, :] <= hd[:, None]
+                    s = np.where(m, q[qr] @ k[kr].T * 0.3 - lse[qr][:, None], 0)
+                    p = np.where(m, np.exp(s), 0)
+                    ds = np.where(m, p * (do[qr] @ v[kr].T - delta[qr][:, None]), 0)
+                    dq[qr] += ds @ k[kr] * 0.3
+                    dk[kr] += ds.T @ q[qr] * 0.3
+                    dv[kr] += p.T @ do[qr]
+    for a, b in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+
+
+def test_ws_backward_validation():
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    tb, g = plan(1)
+    rows = g.num_ranks * g.rows
+    x = jnp.ones((rows, 128), jnp.bfloat16)
+    lse = jnp.zeros((rows,), jnp.float32)
+    tb64, g64 = plan(0)                   # tiles of 64
+    y = jnp.ones((g64.num_ranks * g64.rows, 128), jnp.bfloat16)
+    ly = jnp.zeros((y.shape[0],), jnp.float32)
+    with pytest.raises(ValueError, match="warp_specialized=True.*tiles of 128"):
+        mf.backward_fused(y, y, y, y, ly, y, tb64, g64, scale=0.1, ctas_per_rank=2,
+                          warp_specialized=True)
+    with pytest.raises(ValueError, match="warp_specialized=True.*interpreter"):
+        mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=2, interpret=True,
+                           warp_specialized=True)
+    with pytest.raises(ValueError, match="warp_specialized must be"):
+        mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=2, warp_specialized="yes")
+    with pytest.raises(ValueError, match="exactly one of ctas_per_rank and num_ctas"):
+        bw.backward_ws(x, x, x, x, lse, x, tb, g, scale=0.1)
+    with pytest.raises(ValueError, match="ctas_per_rank must be"):
+        bw.backward_ws(x, x, x, x, lse, x, tb, g, scale=0.1, ctas_per_rank=0)
+    with pytest.raises(ValueError, match="num_ctas must be"):
+        bw.backward_ws(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=True)
+    with pytest.raises(ValueError, match="tiles of 128"):
+        bw.backward_ws(y, y, y, y, ly, y, tb64, g64, scale=0.1, num_ctas=2)
+
+
+def test_ws_backward_profile_mode_lowers_and_reads(monkeypatch, tmp_path, rng):
+    """Profile mode of the three-warpgroup backward: the launch carries the profiler's buffer
+    (3 warpgroups x ``PROFILE_SPACE`` regions per CTA), without ``profile_dir`` it does not; and
+    :func:`profile_breakdown` sums each region per CTA over its entries, the longer compute
+    warpgroup counting, from a trace in the profiler's format."""
+    import jax
+    from _profiler_traces import profiler_trace
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)   # no host callback here
+    tb, g = plan(1)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), 128),
+                               jnp.bfloat16)
+    lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
+    for pdir in (None, str(tmp_path)):
+        f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: bw.backward_ws(
+            q, k, v, o, lse, do, tb, g, scale=0.1, ctas_per_rank=3, recv=(rk, rv),
+            profile_dir=pdir))
+        txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
+        (call,) = [x for x in txt.splitlines() if "custom_call @mosaic_gpu" in x]
+        buf = f"tensor<{g.num_ranks * 3 * 3 * 4 * bw.PROFILE_SPACE}xui32>"
+        assert (buf in call) == (pdir is not None), call[-300:]
+    x = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
+        bw.backward_ws(x, x, x, x, x[:, 0].astype(jnp.float32), x, tb, g, scale=0.1,
+                       num_ctas=2, profile_dir="")
+    G, clock = 3, 1.9
+    want = {name: np.zeros(G) for name in bw.PROFILE_REGIONS}
+    events = {}
+    for c in range(G):
+        n_tasks = int(rng.integers(1, 5))
+        for w in range(2):   # compute warpgroups
+            t, ev, tot = 105, [(bw.BWD_COMPUTE, "B", 100)], {n: 0 for n in bw.PROFILE_REGIONS}
+            for _ in range(n_tasks):
+                for name in (bw.BWD_WAIT, bw.BWD_STEPS, bw.BWD_EPILOGUE):
+                    dt = int(rng.integers(1_000, 50_000))
+                    ev += [(name, "B", t), (name, "E", t + dt)]
+                    tot[name] += dt
+                    t += dt + 5
+            ev.append((bw.BWD_COMPUTE, "E", t))
+            tot[bw.BWD_COMPUTE] = t - 100
+            events[(c, w)] = ev
+            for n in tot:
+                want[n][c] = max(want[n][c], tot[n])
+        ev, t = [], 50
+        for _ in range(n_tasks):
+            dt = int(rng.integers(100, 900))
+            ev += [(bw.BWD_CLAIM, "B", t), (bw.BWD_CLAIM, "E", t + dt)]
+            want[bw.BWD_CLAIM][c] += dt
+            t += dt + 40_000
+        events[(c, 2)] = ev
+    got = bw.profile_breakdown(profiler_trace(events, bw.PROFILE_SPACE, 3), G, clock)
+    for name, w in want.items():   # kilocycles -> µs; the dump subtracts its estimated overhead
+        np.testing.assert_allclose(got[name], w / 1e3 / clock, rtol=0, atol=0.2)
+    assert got["bwd_compute_count"].tolist() == [1, 1, 1]

@@ -1,7 +1,7 @@
-"""MegaRing engine backward kernel on a Hopper GPU (skipped elsewhere; passed on an H200 on
-2026-12-05, before the two-stage query-side loads): the staged and the fused backward in bf16 at
-the forward GPU tests' sizes (8 ranks x tiles of 128, 4 ranks x tiles of 64, head dim 128)
-against a per-sequence float64 reference, each after a run on NaN dO (outputs poisoned)."""
+"""MegaRing engine backward kernels on a Hopper GPU (skipped elsewhere): the one-warpgroup staged
+and fused backwards, then the three-warpgroup one (both claim modes), in bf16 at the forward GPU
+tests' sizes (8 ranks x tiles of 128, 4 ranks x tiles of 64 or 128, head dim 128) against a
+per-sequence float64 reference, each after a run on NaN dO (outputs poisoned)."""
 import numpy as np
 import pytest
 import jax
@@ -34,10 +34,11 @@ def test_backward_staged_matches_float64(rng, plan, ctas):
     tb, g, d, (q, k, v, do), ref = _inputs(rng, plan)
     out = jnp.asarray(ref[0], jnp.bfloat16)
     lse = jnp.asarray(ref[1], jnp.float32)
-    jax.block_until_ready(mb.backward_staged(q, k, v, out, lse, do * jnp.nan, tb, g,
-                                             scale=d ** -0.5, num_ctas=ctas))   # poison
+    jax.block_until_ready(mb.backward_staged(q, k, v, out, lse, do * jnp.nan, tb, g,   # poison
+                                             scale=d ** -0.5, num_ctas=ctas,
+                                             warp_specialized=False))
     got = jax.block_until_ready(mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=d ** -0.5,
-                                                   num_ctas=ctas))
+                                                   num_ctas=ctas, warp_specialized=False))
     check_grads(tb, got, ref, 2e-2)
 
 
@@ -47,7 +48,8 @@ def test_backward_staged_after_staged_forward(rng, plan):
     tb, g, d, (q, k, v, do), ref = _inputs(rng, plan)
     out, lse = me.forward_staged(q, k, v, tb, g, scale=d ** -0.5, num_ctas=8 * g.num_ranks)
     got = jax.block_until_ready(mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=d ** -0.5,
-                                                   num_ctas=8 * g.num_ranks))
+                                                   num_ctas=8 * g.num_ranks,
+                                                   warp_specialized=False))
     check_grads(tb, got, ref, 2e-2)
 
 
@@ -60,10 +62,11 @@ def test_backward_fused_matches_float64(rng, plan, ctas):
     tb, g, d, (q, k, v, do), ref = _inputs(rng, plan)
     out = jnp.asarray(ref[0], jnp.bfloat16)
     lse = jnp.asarray(ref[1], jnp.float32)
-    jax.block_until_ready(mf.backward_fused(q, k, v, out, lse, do * jnp.nan, tb, g,
-                                            scale=d ** -0.5, ctas_per_rank=ctas))   # poison
+    jax.block_until_ready(mf.backward_fused(q, k, v, out, lse, do * jnp.nan, tb, g,   # poison
+                                            scale=d ** -0.5, ctas_per_rank=ctas,
+                                            warp_specialized=False))
     got = jax.block_until_ready(mf.backward_fused(q, k, v, out, lse, do, tb, g, scale=d ** -0.5,
-                                                  ctas_per_rank=ctas))
+                                                  ctas_per_rank=ctas, warp_specialized=False))
     pad = tb.tok_seq.reshape(-1) < 0
     for name, x, want in zip(("dq", "dk", "dv"), got, ref[2:]):
         x = np.asarray(x.astype(jnp.float32), np.float64)[~pad]
@@ -78,9 +81,62 @@ def test_backward_fused_and_staged_agree(rng):
     tb, g, d, (q, k, v, do), ref = _inputs(rng, 0)
     out = jnp.asarray(ref[0], jnp.bfloat16)
     lse = jnp.asarray(ref[1], jnp.float32)
-    a = mf.backward_fused(q, k, v, out, lse, do, tb, g, scale=d ** -0.5, ctas_per_rank=8)
-    b = mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=d ** -0.5, num_ctas=64)
+    a = mf.backward_fused(q, k, v, out, lse, do, tb, g, scale=d ** -0.5, ctas_per_rank=8,
+                          warp_specialized=False)
+    b = mb.backward_staged(q, k, v, out, lse, do, tb, g, scale=d ** -0.5, num_ctas=64,
+                           warp_specialized=False)
     ok = tb.tok_seq.reshape(-1) >= 0
     for x, y in zip(a, b):
         x, y = (np.asarray(z.astype(jnp.float32))[ok] for z in (x, y))
         assert np.linalg.norm(x - y) / np.linalg.norm(y) < 1e-2
+
+
+# ----------------------------------------------------------------------------- three warpgroups
+
+WS_PLANS = [FWD_PLANS[0], ([2100, 1300, 90, 4000], [0, 2, 1, 0], [2, 2, 1, 4], 4, 128)]
+
+
+@pytest.mark.parametrize("plan,claims,ctas,d", [
+    (p, c, n, 128) for p in range(len(WS_PLANS))
+    for c, n in (("dynamic", 2), ("dynamic", 16), ("static", 8), ("static", 132))]
+    + [(0, "dynamic", 4, 64), (1, "static", 16, 64)])
+def test_ws_backward_matches_float64(rng, plan, claims, ctas, d):
+    """The three-warpgroup backward (tiles of 128, groups of 1-8 or 1-4 in one launch): relative
+    error < 2e-2 per gradient, padding rows 0, after a run on NaN dO; dynamic claims with 2 CTAs
+    per rank (many tasks each) and 16, static lists over 8 CTAs and 132; head dim 64 too."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    _, tb, g = _plan(*WS_PLANS[plan], 2)
+    rows = g.num_ranks * g.rows
+    q, k, v, do = (jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16) for _ in range(4))
+    ref = ref_grads_by_sequence(tb, q, k, v, do, d ** -0.5)
+    out = jnp.asarray(ref[0], jnp.bfloat16)
+    lse = jnp.asarray(ref[1], jnp.float32)
+    kw = dict(scale=d ** -0.5, warp_specialized=True)
+    if claims == "dynamic":
+        run = lambda dO: mf.backward_fused(q, k, v, out, lse, dO, tb, g,  # noqa: E731
+                                           ctas_per_rank=ctas, **kw)
+    else:
+        run = lambda dO: mb.backward_staged(q, k, v, out, lse, dO, tb, g,  # noqa: E731
+                                            num_ctas=ctas, **kw)
+    jax.block_until_ready(run(do * jnp.nan))   # poison
+    check_grads(tb, jax.block_until_ready(run(do)), ref, 2e-2)
+
+
+def test_ws_backward_agrees_with_one_warpgroup(rng):
+    """The three- and one-warpgroup backwards (dynamic claims) on the same inputs agree up to
+    bf16 rounding of the summation order, and the three-warpgroup one is deterministic up to
+    the order of its f32 reduce-adds."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    _, tb, g = _plan(*WS_PLANS[0], 2)
+    rows, d = g.num_ranks * g.rows, 128
+    q, k, v, do = (jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16) for _ in range(4))
+    out, lse = me.forward_launch(q, k, v, tb, g, scale=d ** -0.5, ctas_per_rank=8)
+    kw = dict(scale=d ** -0.5, ctas_per_rank=8)
+    a = mf.backward_fused(q, k, v, out, lse, do, tb, g, warp_specialized=True, **kw)
+    a2 = mf.backward_fused(q, k, v, out, lse, do, tb, g, warp_specialized=True, **kw)
+    b = mf.backward_fused(q, k, v, out, lse, do, tb, g, warp_specialized=False, **kw)
+    ok = tb.tok_seq.reshape(-1) >= 0
+    for x, x2, y in zip(a, a2, b):
+        x, x2, y = (np.asarray(z.astype(jnp.float32))[ok] for z in (x, x2, y))
+        assert np.linalg.norm(x - y) / np.linalg.norm(y) < 1e-2
+        assert np.linalg.norm(x - x2) / np.linalg.norm(x) < 1e-2

@@ -186,8 +186,9 @@ def engine_launches(mode: str, tables, geometry, *, scale: float, ctas_per_rank:
     the engine in ``mode`` over ``geometry``'s (virtual) ranks, ``[ranks * C, D]`` arrays,
     ``ctas_per_rank`` CTAs per rank; ``sim``: the staged mode's protocol run; ``profile_dir``:
     the forward's compute launch writes its profile there (``megaring_engine.profile_breakdown``);
-    ``warp_specialized``: the forward's kernel (``megaring_engine.forward_launch``'s argument; None:
-    the three-warpgroup one wherever it can run)."""
+    ``warp_specialized``: the kernels of the forward and the backward
+    (``megaring_engine.forward_launch``'s and ``megaring_engine_bwd.backward_staged``'s argument;
+    None: the three-warpgroup ones wherever they can run)."""
     from liquidcp_jax.pallas import megaring_engine as me
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
     from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
@@ -199,7 +200,8 @@ def engine_launches(mode: str, tables, geometry, *, scale: float, ctas_per_rank:
 
         def backward(*x):
             return mbf.backward_fused(*x, tables, geometry, scale=scale,
-                                      ctas_per_rank=ctas_per_rank)
+                                      ctas_per_rank=ctas_per_rank,
+                                      warp_specialized=warp_specialized)
         return forward, backward
     n = geometry.num_ranks * ctas_per_rank
 
@@ -210,7 +212,7 @@ def engine_launches(mode: str, tables, geometry, *, scale: float, ctas_per_rank:
 
     def staged_backward(*x):
         return mb.backward_staged(*x, tables, geometry, scale=scale, num_ctas=n,
-                                  interpret=interpret)
+                                  interpret=interpret, warp_specialized=warp_specialized)
     return staged_forward, staged_backward
 
 

@@ -1,5 +1,9 @@
 """MegaRing engine backward on Hopper (Pallas Mosaic GPU), emulated ranks: the staged form.
 
+On the GPU, :func:`backward_staged` runs its static lists on the three-warpgroup kernel
+(:mod:`megaring_engine_bwd_ws`) wherever that can run (``warp_specialized=None``); the
+one-warpgroup kernel below serves tiles of 64, float32, the interpreter and the peer transport.
+
 **What runs** (:func:`backward_staged`): the engine backward's tasks
 (:func:`liquidcp_jax.megaring.engine_backward.build_backward_tables`: one KV tile per task, the
 rank's own tile or a receive slot of the forward, with its (local Q tile, sequence) entries) of
@@ -366,13 +370,36 @@ def prepare(out, lse, do, tb):
     return do_.astype(do.dtype), delta, lse2
 
 
+def reduce_add_inputs(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, recv):
+    """The inputs of the launches that reduce-add into accumulators (the fused and the
+    three-warpgroup backward): ``(rk, rv)`` (``recv``, default a transfer launch of ``k`` and
+    ``v``; checked), :func:`prepare`'s ``(dO, delta, lse2)``, and three f32 ``jax.Ref`` zeros
+    ``[P * C, D]`` (dQ, dK, dV)."""
+    if recv is None:
+        recv = (transfer_launch(k, tb, geom), transfer_launch(v, tb, geom))
+    _check_recv(recv[0], recv[1], q, geom)
+    acc = [jax.new_ref(jnp.zeros(q.shape, jnp.float32)) for _ in range(3)]
+    return recv, prepare(out, lse, do, tb), acc
+
+
+def table_arg(a: np.ndarray):
+    """A host table as a kernel argument (an empty one as one row of zeros: no 0-size operand)."""
+    return jnp.asarray(a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype))
+
+
 def backward_staged(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, *,
-                    scale: float, num_ctas: int, recv=None, interpret: bool = False):
+                    scale: float, num_ctas: int, recv=None, interpret: bool = False,
+                    warp_specialized: bool | None = None):
     """dQ, dK, dV ``[P * C, D]`` (``q.dtype``) of the engine's attention on emulated ranks: the
     staged backward (module docstring: arguments, task order). ``num_ctas``: CTAs of the compute
     launch; ``recv``: the forward's receive buffers ``(rk, rv)`` (default: a transfer launch of
-    ``k`` and ``v``)."""
+    ``k`` and ``v``); ``warp_specialized``: the static lists on the three-warpgroup kernel
+    (:mod:`megaring_engine_bwd_ws`; None: wherever it can run)."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
     _check_inputs(q, k, v, out, lse, do, tb, geom, scale, interpret)
+    if bws.use_ws(warp_specialized, geom, q, interpret):
+        return bws.backward_ws(q, k, v, out, lse, do, tb, geom, scale=scale, num_ctas=num_ctas,
+                               recv=recv)
     L = backward_lists(eb.build_backward_tables(tb), geom, num_ctas)
     if recv is None:
         recv = (transfer_launch(k, tb, geom, interpret=interpret),

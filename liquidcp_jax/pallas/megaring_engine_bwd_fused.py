@@ -1,6 +1,8 @@
 """MegaRing engine backward on Hopper, emulated ranks: the fused form (atomics, completion
 counters). GPU only; lowered for sm_90a on the CPU, and its GPU tests (float64 reference) passed
-on an H200 (2026-12-05).
+on an H200 (2026-12-05). :func:`backward_fused` runs the same claims on the three-warpgroup kernel
+(:mod:`megaring_engine_bwd_ws`) wherever that can run (``warp_specialized=None``); this module's
+kernel is the one-warpgroup form (tiles of 64, ``warp_specialized=False``).
 
 **What runs** (:func:`backward_fused`): one launch of ``G = P * ctas_per_rank`` CTAs of one
 warpgroup, CTA ``c`` serving rank ``c % P``, over the tables of
@@ -189,13 +191,19 @@ def _build_fused(P: int, K: int, n: int, B: int, D: int, dtype_name: str, causal
 
 
 def backward_fused(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, *,
-                   scale: float, ctas_per_rank: int, recv=None):
+                   scale: float, ctas_per_rank: int, recv=None,
+                   warp_specialized: bool | None = None):
     """dQ, dK, dV ``[P * C, D]`` of the engine's attention on emulated ranks, the fused form
     (module docstring; GPU only). ``recv``: the forward's receive buffers ``(rk, rv)``
-    (default: a staged transfer launch of ``k`` and ``v``)."""
-    from liquidcp_jax.pallas.megaring_engine import transfer_launch
+    (default: a staged transfer launch of ``k`` and ``v``); ``warp_specialized``: the same
+    claims on the three-warpgroup kernel (:mod:`megaring_engine_bwd_ws`, finalized by XLA;
+    None: wherever it can run)."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     mbs._check_inputs(q, k, v, out, lse, do, tb, geom, scale, False)
+    if bws.use_ws(warp_specialized, geom, q):
+        return bws.backward_ws(q, k, v, out, lse, do, tb, geom, scale=scale,
+                               ctas_per_rank=ctas_per_rank, recv=recv)
     if isinstance(ctas_per_rank, bool) or int(ctas_per_rank) != ctas_per_rank or ctas_per_rank < 1:
         raise ValueError(f"ctas_per_rank must be an int >= 1; got {ctas_per_rank!r}")
     if geom.num_ranks * int(ctas_per_rank) > num_sms():
@@ -203,16 +211,11 @@ def backward_fused(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometr
                          f"{ctas_per_rank} CTAs exceed the {num_sms()} SMs; the finalization "
                          f"waits need every CTA resident (one per SM)")
     t = fused_tables(eb.build_backward_tables(tb), geom)
-    if recv is None:
-        recv = (transfer_launch(k, tb, geom), transfer_launch(v, tb, geom))
-    rk, rv = recv
-    mbs._check_recv(rk, rv, q, geom)
-    do_, delta, lse2 = mbs.prepare(out, lse, do, tb)
-    n_rows, D = q.shape
-    acc = [jax.new_ref(jnp.zeros((n_rows, D), jnp.float32)) for _ in range(3)]
-    call = _build_fused(geom.num_ranks, int(ctas_per_rank), geom.tiles, geom.tile_size, D,
-                        jnp.dtype(q.dtype).name, bool(tb.causal), float(scale))
-    pad = lambda a: jnp.asarray(a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype))  # noqa: E731
+    (rk, rv), (do_, delta, lse2), acc = mbs.reduce_add_inputs(q, k, v, out, lse, do, tb, geom,
+                                                              recv)
+    call = _build_fused(geom.num_ranks, int(ctas_per_rank), geom.tiles, geom.tile_size,
+                        q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal), float(scale))
+    pad = mbs.table_arg
     return call(pad(t["task"]), pad(t["task_off"]), pad(t["ent"]), pad(t["fin"]),
                 pad(t["fin_off"]), jnp.asarray(tb.tok_seq.reshape(-1), jnp.int32),
                 jnp.asarray(tb.tok_pos.reshape(-1), jnp.int32), q, k, v, do_, lse2, delta, rk, rv,
