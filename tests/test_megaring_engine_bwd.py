@@ -277,13 +277,14 @@ def test_backward_fused_validation():
 
 # ----------------------------------------------------------------------------- three warpgroups
 
-@pytest.mark.parametrize("d,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
-def test_ws_backward_lowers_for_sm90(d, dtype):
+@pytest.mark.parametrize("d,dtype,causal", [(128, jnp.bfloat16, True), (64, jnp.float16, True),
+                                            (128, jnp.bfloat16, False)])
+def test_ws_backward_lowers_for_sm90(d, dtype, causal):
     """The three-warpgroup backward lowers for sm_90a, dynamic claims (through ``backward_fused``)
     and static lists (through ``backward_staged``): one Mosaic GPU kernel each."""
     import jax
     from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
-    tb, g = plan(1)                       # tiles of 128
+    tb, g = plan(1, causal)               # tiles of 128
     sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), dtype)
     rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size), d), dtype)
     lsd = jax.ShapeDtypeStruct((g.num_ranks * g.rows,), jnp.float32)
@@ -370,8 +371,16 @@ def test_ws_backward_validation():
     with pytest.raises(ValueError, match="warp_specialized=True.*interpreter"):
         mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=2, interpret=True,
                            warp_specialized=True)
-    with pytest.raises(ValueError, match="warp_specialized must be"):
-        mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=2, warp_specialized="yes")
+    for bad in ("yes", 1):   # 1 == True, but not a choice
+        with pytest.raises(ValueError, match="warp_specialized must be"):
+            mb.backward_staged(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=2,
+                               warp_specialized=bad)
+    # the default picks it for every supported shape: its SMEM (profile buffer included) fits
+    for d in (64, 128):
+        for dt in (jnp.bfloat16, jnp.float16):
+            assert bw.use_ws(None, g, jnp.zeros((8, d), dt)), (d, dt)
+    assert not bw.use_ws(None, g, x, interpret=True)
+    assert not bw.use_ws(None, g, x.astype(jnp.float32))
     with pytest.raises(ValueError, match="exactly one of ctas_per_rank and num_ctas"):
         bw.backward_ws(x, x, x, x, lse, x, tb, g, scale=0.1)
     with pytest.raises(ValueError, match="ctas_per_rank must be"):
@@ -408,6 +417,10 @@ def test_ws_backward_profile_mode_lowers_and_reads(monkeypatch, tmp_path, rng):
     with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
         bw.backward_ws(x, x, x, x, x[:, 0].astype(jnp.float32), x, tb, g, scale=0.1,
                        num_ctas=2, profile_dir="")
+    f = jax.jit(lambda q, k, v, o, lse, do, rk, rv: bw.backward_ws(   # a path object is a path
+        q, k, v, o, lse, do, tb, g, scale=0.1, num_ctas=4, recv=(rk, rv), profile_dir=tmp_path))
+    txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"tensor<{4 * 3 * 4 * bw.PROFILE_SPACE}xui32>" in txt
     G, clock = 3, 1.9
     want = {name: np.zeros(G) for name in bw.PROFILE_REGIONS}
     events = {}
@@ -415,12 +428,14 @@ def test_ws_backward_profile_mode_lowers_and_reads(monkeypatch, tmp_path, rng):
         n_tasks = int(rng.integers(1, 5))
         for w in range(2):   # compute warpgroups
             t, ev, tot = 105, [(bw.BWD_COMPUTE, "B", 100)], {n: 0 for n in bw.PROFILE_REGIONS}
-            for _ in range(n_tasks):
-                for name in (bw.BWD_WAIT, bw.BWD_STEPS, bw.BWD_EPILOGUE):
-                    dt = int(rng.integers(1_000, 50_000))
-                    ev += [(name, "B", t), (name, "E", t + dt)]
-                    tot[name] += dt
-                    t += dt + 5
+            # as the kernel records them: per task the mailbox and K / V waits, steps,
+            # epilogue; then the wait that reads the end marker
+            for name in [bw.BWD_WAIT, bw.BWD_WAIT, bw.BWD_STEPS, bw.BWD_EPILOGUE] * n_tasks + [
+                    bw.BWD_WAIT]:
+                dt = int(rng.integers(1_000, 50_000))
+                ev += [(name, "B", t), (name, "E", t + dt)]
+                tot[name] += dt
+                t += dt + 5
             ev.append((bw.BWD_COMPUTE, "E", t))
             tot[bw.BWD_COMPUTE] = t - 100
             events[(c, w)] = ev
@@ -437,3 +452,4 @@ def test_ws_backward_profile_mode_lowers_and_reads(monkeypatch, tmp_path, rng):
     for name, w in want.items():   # kilocycles -> µs; the dump subtracts its estimated overhead
         np.testing.assert_allclose(got[name], w / 1e3 / clock, rtol=0, atol=0.2)
     assert got["bwd_compute_count"].tolist() == [1, 1, 1]
+    assert (got["bwd_wait_count"] == 2 * got["bwd_steps_count"] + 1).all()

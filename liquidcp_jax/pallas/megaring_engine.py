@@ -766,7 +766,7 @@ def _ws_compute(tb, geom, t, num_ctas: int, q, scale, staged: bool = False,
 def _use_ws(warp_specialized, geom: RingGeometry, q, profile_dir) -> bool:
     """Whether the three-warpgroup kernel runs: ``None`` where it can, ``True`` or a ValueError
     naming ``warp_specialized`` where it cannot, ``False`` never."""
-    if warp_specialized not in (None, True, False):
+    if not any(warp_specialized is x for x in (None, True, False)):
         raise ValueError(f"warp_specialized must be None, True or False; got {warp_specialized!r}")
     why = ws.unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
     if why is None and profile_dir is not None:

@@ -9,7 +9,7 @@ tasks, hands each over a two-slot SMEM mailbox, loads the task's K, V and key co
 the query side of every *step* (an entry's 64-query half: Q, dO, LSE, delta, query codes) into
 a ring of ``mcs`` slots that runs across the CTA's tasks. Per step each compute warpgroup forms
 ``S^T = K Q^T`` and ``dP^T = V dO^T``, ``P^T`` and ``dS^T`` on the entry's pairs (the mask by
-token codes below; every other pair excluded by ``where``, never multiplied by 0),
+token codes below; every other pair excluded by ``where``),
 ``dV += P^T dO``, ``dK += dS^T Q``, stages its 64 keys of dS^T in a shared tile and, once both
 halves are in (an mbarrier), computes ``dQ_part = dS K`` for its half of the head dim over all
 128 keys and reduce-adds it (TMA, f32, per element atomic) into dQ (head dim 64: over its own
@@ -24,18 +24,22 @@ rank's next task by a fetch-add on the rank's queue counter) and *static* (``num
 per CTA, longest first to the least-loaded CTA, as :func:`megaring_engine_bwd.backward_lists`).
 
 Masks by per-token codes (:func:`megaring_engine_ws.token_codes`, ``seq * span + pos``): for an
-entry of sequence ``s`` a key's distance ``kd = code - s * span`` (``INT_MAX`` if negative:
-another sequence or padding) and a query's ``hd`` (its distance, ``-1`` outside ``s``) give the
-causal mask ``kd <= hd`` in one compare per pair (non-causal: ``kd`` becomes 0 inside ``s``).
+entry of sequence ``s`` a key's distance ``kd = code - s * span`` (``INT_MAX`` if negative: an
+earlier sequence or padding; a later sequence's is ``>= span``) and a query's ``hd`` (its
+distance, ``-1`` outside ``s``, so below ``span``) give the causal mask ``kd <= hd`` in one
+compare per pair (non-causal: ``kd`` and ``hd`` become 0 inside ``s``). Masked pairs get exact
+zeros in P^T and dS^T, which the wgmmas still multiply by Q / K / dO rows: those must be finite
+(``prepare`` zeroes dO, out and LSE on padding rows; q and k are the caller's, as in the forward).
 
 **Why it cannot deadlock.** Nothing waits on another CTA: the claims are fetch-adds (never a
 wait) and the reduce-adds are atomic, so the launch needs neither residency nor an order of
 CTAs. Inside a CTA the producer waits only on its own compute warpgroups' releases (mailbox
 slots, K / V of the previous task, ring slots) of work it already handed over, one wait per
 release (both compute warpgroups arrive on one barrier: a second wait would be for a release
-that needs the producer's next load); each compute warpgroup waits on loads the producer issued
-for tasks it handed over and on the other's dS^T half of the same step, which the other writes
-after waiting on those loads only.
+that needs the producer's next load); each compute warpgroup waits on the mailbox (the producer
+posts every task, then an end marker), on loads the producer issued for tasks it handed over and,
+at D = 128, on the other's dS^T half of the same step, which the other writes after waiting on
+those loads only.
 
 Head dim 64 or 128, bf16 / f16, tiles of 128. Not in the interpreter (no TMA reduce-add
 there); its lowering is checked on the CPU.
@@ -43,6 +47,7 @@ there); its lowering is checked on the CPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,12 +79,12 @@ _INT_MAX = np.iinfo(np.int32).max
 # for the task and its K / V (the producer late), the steps, the dK / dV reduce-adds; the
 # producer: its claims' fetch-adds. 16 bytes of SMEM per region and warpgroup (24 KiB).
 BWD_COMPUTE = "bwd_compute"     # a compute warpgroup's whole loop (once)
-BWD_WAIT = "bwd_wait"           # per task: mailbox, K / V and key codes
+BWD_WAIT = "bwd_wait"           # per task twice: the mailbox, then K / V and key codes
 BWD_STEPS = "bwd_steps"         # per task: its steps (waits on the query side included)
 BWD_EPILOGUE = "bwd_epilogue"   # per task: dK / dV reduce-adds into the owner's accumulators
 BWD_CLAIM = "bwd_claim"         # producer, per claim: the fetch-add (dynamic claims)
 PROFILE_REGIONS = (BWD_COMPUTE, BWD_WAIT, BWD_STEPS, BWD_EPILOGUE, BWD_CLAIM)
-PROFILE_SPACE = 512             # regions per warpgroup: 3 per task + 1, ~170 tasks per CTA
+PROFILE_SPACE = 512             # regions per warpgroup: 4 per task + 2, up to 127 tasks per CTA
 # Task columns: remote (rk / rv over k / v), first K / V row, first row of the keys' codes (the
 # owner's rows), entry range, first row of the owner's dK / dV accumulators.
 WT = {n: i for i, n in enumerate(("remote", "kv_row", "code_row", "ent_start", "ent_count",
@@ -421,11 +426,13 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
     profiler records the :data:`PROFILE_REGIONS` of every warpgroup and writes a Chrome trace
     there after each launch (:func:`profile_breakdown` reads it)."""
     mbs._check_inputs(q, k, v, out, lse, do, tb, geom, scale, False)
-    if profile_dir is not None and (not isinstance(profile_dir, str) or not profile_dir):
-        raise ValueError(f"profile_dir must be None or a directory path, got {profile_dir!r}")
+    if profile_dir is not None:
+        if not isinstance(profile_dir, (str, os.PathLike)) or not os.fspath(profile_dir):
+            raise ValueError(f"profile_dir must be None or a directory path, got {profile_dir!r}")
+        profile_dir = os.fspath(profile_dir)
     why = unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
     if why is not None:
-        raise ValueError(f"q: the three-warpgroup backward needs {why}")
+        raise ValueError(f"geom / q: the three-warpgroup backward needs {why}")
     if (ctas_per_rank is None) == (num_ctas is None):
         raise ValueError(f"give exactly one of ctas_per_rank and num_ctas; got {ctas_per_rank!r}, "
                          f"{num_ctas!r}")
@@ -453,7 +460,7 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
 def use_ws(warp_specialized, geom: RingGeometry, q, interpret: bool = False) -> bool:
     """Whether the backward runs on this kernel: ``None`` where it can, ``True`` or a ValueError
     naming ``warp_specialized`` where it cannot, ``False`` never."""
-    if warp_specialized not in (None, True, False):
+    if not any(warp_specialized is x for x in (None, True, False)):
         raise ValueError(f"warp_specialized must be None, True or False; got {warp_specialized!r}")
     why = unsupported(geom.tile_size, int(q.shape[1]), q.dtype, interpret)
     if warp_specialized and why is not None:
