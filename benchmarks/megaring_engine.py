@@ -125,11 +125,17 @@ def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, roo
     for _ in range(2):   # the second launch's trace: compiled and warm
         jax.block_until_ready(f(*args))
     G = geom.num_ranks * ctas_per_rank(tb, geom, num_sms)
-    br = me.profile_breakdown(profile_trace.latest_trace(d), G, H.sm_clock_ghz() or 1.98)
+    return summarize(me.profile_breakdown(profile_trace.latest_trace(d), G,
+                                          H.sm_clock_ghz() or 1.98))
+
+
+def summarize(breakdown: dict) -> dict:
+    """A per-CTA profile breakdown (``{region: [num_ctas]}`` µs, ``"<region>_count"`` entries)
+    as the report's row: per region the mean and max over the CTAs, and the mean entries."""
     out = {name: {"mean_us": round(float(v.mean()), 2), "max_us": round(float(v.max()), 2)}
-           for name, v in br.items() if not name.endswith("_count")}
+           for name, v in breakdown.items() if not name.endswith("_count")}
     out["entries_per_cta"] = {name[:-6]: round(float(v.mean()), 2)
-                              for name, v in br.items() if name.endswith("_count")}
+                              for name, v in breakdown.items() if name.endswith("_count")}
     return out
 
 
@@ -154,13 +160,8 @@ def profile_backward(step: str, tb, geom, scale: float, num_sms: int, args, root
     f = jax.jit(lambda *x: bws.backward_ws(*x, tb, geom, scale=scale, profile_dir=d, **claims))
     for _ in range(2):   # the second launch's trace: compiled and warm
         jax.block_until_ready(f(q, k, v, out, lse, do))
-    br = bws.profile_breakdown(profile_trace.latest_trace(d), geom.num_ranks * K,
-                               H.sm_clock_ghz() or 1.98)
-    res = {name: {"mean_us": round(float(v.mean()), 2), "max_us": round(float(v.max()), 2)}
-           for name, v in br.items() if not name.endswith("_count")}
-    res["entries_per_cta"] = {name[:-6]: round(float(v.mean()), 2)
-                              for name, v in br.items() if name.endswith("_count")}
-    return res
+    return summarize(bws.profile_breakdown(profile_trace.latest_trace(d), geom.num_ranks * K,
+                                           H.sm_clock_ghz() or 1.98))
 
 
 def measure(case: H.Case, a, num_sms: int) -> list[dict]:

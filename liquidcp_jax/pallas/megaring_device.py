@@ -1,13 +1,16 @@
 """Device-side steps of the MegaRing engine's forward protocol, shared by its one-warpgroup
 (:mod:`megaring_engine`) and three-warpgroup (:mod:`megaring_engine_ws`) kernels: a worker's
 transfer with its inserts into the streams, the claim scan, and the Eq. 1 merge of a task half's
-result into the running state. Each runs in the calling warpgroup (warpgroup semantics); the
+result into the running state; and the three-warpgroup kernels' (forward and backward) task
+mailbox. Each runs in the calling warpgroup (warpgroup semantics); the
 protocol and why its waits cannot deadlock: :mod:`~liquidcp_jax.megaring.engine_protocol`.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -148,3 +151,38 @@ def merge_eq1(prev, o, lse, o_smem, l_smem, rows: int, d: int):
              + o * lax.broadcast_in_dim(w1 * inv, o.shape, [0]))
     l_new = jnp.where(nz, mu + jnp.log(jnp.where(nz, tot, 1.0)), -jnp.inf)
     return o_new, l_new
+
+
+class Mailbox(NamedTuple):
+    """The three-warpgroup kernels' task hand-over: a two-slot SMEM mailbox ``smem [2, fields]``
+    int32, ``ready [2]`` (the producer's arrival per post) and ``free [2]`` (one arrival per
+    compute warpgroup per read). Post ``k`` goes to slot ``k % 2`` once post ``k - 2`` was read by
+    both; a post whose first field is negative ends the compute warpgroups' loops."""
+    smem: Any
+    ready: Any
+    free: Any
+
+    def post(self, k, fields):
+        """Producer: post ``k`` of ``fields`` (int32 scalars)."""
+        slot = lax.rem(k, 2)
+        pl.when(k >= 2)(lambda: plgpu.barrier_wait(self.free.at[slot]))
+        for f, x in enumerate(fields):
+            self.smem[slot, f] = jnp.asarray(x, jnp.int32)
+        plgpu.barrier_arrive(self.ready.at[slot])
+
+    def take(self, k, n_fields: int, scope: str | None = None):
+        """A compute warpgroup: the fields of post ``k`` (``scope``: a profiler region around
+        the wait)."""
+        slot = lax.rem(k, 2)
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            plgpu.barrier_wait(self.ready.at[slot])
+        fields = tuple(self.smem[slot, f] for f in range(n_fields))
+        plgpu.barrier_arrive(self.free.at[slot])   # each thread has its copy
+        return fields
+
+    def drain(self, k):
+        """Producer, before exit: the reads of its last two posts, ``k - 1`` and the end post
+        ``k`` (every barrier phase observed)."""
+        @pl.loop(jnp.maximum(k - 1, 0), k + 1)
+        def _(x):
+            plgpu.barrier_wait(self.free.at[lax.rem(x, 2)])

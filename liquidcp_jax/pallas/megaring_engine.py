@@ -766,14 +766,10 @@ def _ws_compute(tb, geom, t, num_ctas: int, q, scale, staged: bool = False,
 def _use_ws(warp_specialized, geom: RingGeometry, q, profile_dir) -> bool:
     """Whether the three-warpgroup kernel runs: ``None`` where it can, ``True`` or a ValueError
     naming ``warp_specialized`` where it cannot, ``False`` never."""
-    if not any(warp_specialized is x for x in (None, True, False)):
-        raise ValueError(f"warp_specialized must be None, True or False; got {warp_specialized!r}")
     why = ws.unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
     if why is None and profile_dir is not None:
         why = "no profile mode (profile_dir must be None)"
-    if warp_specialized and why is not None:
-        raise ValueError(f"warp_specialized=True: the three-warpgroup kernel needs {why}")
-    return warp_specialized is not False and why is None
+    return ws.choose(warp_specialized, why, "kernel")
 
 
 def _check_forward_inputs(q, k, v, tb, geom, rows=None):

@@ -63,7 +63,7 @@ from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
 from liquidcp_jax.pallas import megaring_sync as msync
 from liquidcp_jax.pallas import profile_trace
 from liquidcp_jax.pallas.common import LOG2E, SMEM_LIMIT, aligned, mm_t_pair, swizzled
-from liquidcp_jax.pallas.megaring_device import at, bcast
+from liquidcp_jax.pallas import megaring_device as dev
 from liquidcp_jax.pallas import megaring_engine_ws as fwd_ws
 from liquidcp_jax.pallas.megaring_transport import RingGeometry
 from liquidcp_jax.pallas.sync import RingRelease
@@ -175,15 +175,12 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
         def body(k_s, v_s, kc_s, q_s, do_s, lse_s, dl_s, qc_s, ds_s, stage0, stage1, task_smem, scr,
                  k_bar, v_bar, q_bar, do_bar, used, kv_free, task_ready, task_free, ds_ready):
             release = RingRelease(used)
+            mailbox = dev.Mailbox(task_smem, task_ready, task_free)
 
             # ------------------------------------------------------------------ producer
             def post(k, t):
-                """Task ``t`` (-1: the end) into mailbox slot ``k % 2`` once the compute
-                warpgroups have read task ``k - 2``."""
-                slot = lax.rem(k, 2)
-                pl.when(k >= 2)(lambda: plgpu.barrier_wait(task_free.at[slot]))
-                task_smem[slot, 0] = jnp.asarray(t, jnp.int32)
-                plgpu.barrier_arrive(task_ready.at[slot])
+                """Post ``k``: task ``t`` (-1: the end)."""
+                mailbox.post(k, (t,))
 
             def load_task(k, cnt, t):
                 """Task ``t``'s K, V and key codes (once task ``k - 1`` released them), then the
@@ -224,7 +221,7 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                     def claim(st):
                         _, k, cnt = st
                         with jax.named_scope(BWD_CLAIM):
-                            i = toff_ref[rank] + msync.fetch_add(at(nxt, rank), scr, 1)
+                            i = toff_ref[rank] + msync.fetch_add(dev.at(nxt, rank), scr, 1)
                         more = i < toff_ref[rank + 1]
 
                         @pl.when(more)
@@ -255,9 +252,7 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
 
                 pl.when(k > 0)(lambda: plgpu.barrier_wait(kv_free))
 
-                @pl.loop(jnp.maximum(k - 1, 0), k + 1)
-                def _(x):
-                    plgpu.barrier_wait(task_free.at[lax.rem(x, 2)])
+                mailbox.drain(k)
 
             # ------------------------------------------------------------------ compute
             def compute(w: int):
@@ -281,7 +276,7 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                     slot = lax.rem(x, jnp.int32(mcs))
                     ds_buf = ds_s.at[lax.rem(x, 2)]
                     plgpu.barrier_wait(q_bar.at[slot])
-                    qd = plgpu.load(qc_s.at[slot], layout=col_l) - bcast(lo, (_H,), col_l)
+                    qd = plgpu.load(qc_s.at[slot], layout=col_l) - dev.bcast(lo, (_H,), col_l)
                     inside = (qd >= 0) & (qd < span)
                     hd = jnp.where(inside, qd if causal else 0, -1)
                     ok = (lax.broadcast_in_dim(kd, shape, [0])
@@ -334,7 +329,7 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                     def entry(e, carry):
                         dk, dv = carry
                         lo = ent_ref[e, 1] * span
-                        kd = kc - bcast(lo, (_H,), row_l)
+                        kd = kc - dev.bcast(lo, (_H,), row_l)
                         if causal:   # keys of later sequences: kd >= span > every hd
                             kd = jnp.where(kd >= 0, kd, _INT_MAX)
                         else:
@@ -364,11 +359,7 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
 
                 def task_step(st):
                     _, k, cnt = st
-                    slot = lax.rem(k, 2)
-                    with jax.named_scope(BWD_WAIT):
-                        plgpu.barrier_wait(task_ready.at[slot])
-                    t = task_smem[slot, 0]
-                    plgpu.barrier_arrive(task_free.at[slot])   # each thread has its copy
+                    (t,) = mailbox.take(k, 1, scope=BWD_WAIT)
                     pl.when(t >= 0)(lambda: run_task(cnt, t))
                     return t, k + 1, cnt + jnp.where(t >= 0, steps_of(jnp.maximum(t, 0)), 0)
 
@@ -460,9 +451,6 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
 def use_ws(warp_specialized, geom: RingGeometry, q, interpret: bool = False) -> bool:
     """Whether the backward runs on this kernel: ``None`` where it can, ``True`` or a ValueError
     naming ``warp_specialized`` where it cannot, ``False`` never."""
-    if not any(warp_specialized is x for x in (None, True, False)):
-        raise ValueError(f"warp_specialized must be None, True or False; got {warp_specialized!r}")
-    why = unsupported(geom.tile_size, int(q.shape[1]), q.dtype, interpret)
-    if warp_specialized and why is not None:
-        raise ValueError(f"warp_specialized=True: the three-warpgroup backward needs {why}")
-    return warp_specialized is not False and why is None
+    return fwd_ws.choose(warp_specialized,
+                         unsupported(geom.tile_size, int(q.shape[1]), q.dtype, interpret),
+                         "backward")

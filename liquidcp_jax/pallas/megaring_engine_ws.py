@@ -92,6 +92,17 @@ def unsupported(tile_size: int, d: int, dtype) -> str | None:
     return None
 
 
+def choose(warp_specialized, why: str | None, what: str) -> bool:
+    """Whether a three-warpgroup kernel runs, given ``why`` it cannot (None: it can):
+    ``warp_specialized`` None where it can, True or a ValueError naming ``warp_specialized``
+    where it cannot (``what``: the kernel, for the message), False never."""
+    if not any(warp_specialized is x for x in (None, True, False)):
+        raise ValueError(f"warp_specialized must be None, True or False; got {warp_specialized!r}")
+    if warp_specialized and why is not None:
+        raise ValueError(f"warp_specialized=True: the three-warpgroup {what} needs {why}")
+    return warp_specialized is not False and why is None
+
+
 def ws_tables(tb: ep.EngineTables, t: dict) -> dict:
     """The forward tables of :func:`megaring_engine.forward_tables` (``t``) plus ``code``
     (:func:`token_codes` of every stacked row) and ``span``."""
@@ -137,16 +148,12 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                  scr, p_smem2, q_bar, k_bar, v_bar, k_used, v_used, q_free, task_ready,
                  task_free, turn, s_bar, xbar, sched):
             k_release, v_release = RingRelease(k_used), RingRelease(v_used)
+            mailbox = dev.Mailbox(task_smem, task_ready, task_free)
 
             # ------------------------------------------------------------------ producer
             def post(k, j, c0, e0, prev):
-                """Task ``k`` (segment ``j``, tiles [c0, e0), ``prev`` merged before) into
-                mailbox slot ``k % 2`` once the compute warpgroups have read task ``k - 2``."""
-                slot = lax.rem(k, 2)
-                pl.when(k >= 2)(lambda: plgpu.barrier_wait(task_free.at[slot]))
-                for f, x in enumerate((j, c0, e0, prev)):
-                    task_smem[slot, f] = jnp.asarray(x, jnp.int32)
-                plgpu.barrier_arrive(task_ready.at[slot])
+                """Task ``k``: segment ``j``, tiles [c0, e0), ``prev`` merged before."""
+                mailbox.post(k, (j, c0, e0, prev))
 
             def issue(j, i, slot, pscr):
                 """TMA loads of segment ``j``'s logical tile ``i`` into ring slot ``slot``: K and
@@ -200,9 +207,7 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
                 pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free))
 
-                @pl.loop(jnp.maximum(k - 1, 0), k + 1)
-                def _(x):
-                    plgpu.barrier_wait(task_free.at[lax.rem(x, 2)])
+                mailbox.drain(k)
 
             def producer():
                 plgpu.set_max_registers(_REGS_PRODUCER, action="decrease")
@@ -366,10 +371,7 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
                 def task_step(st):
                     _, k, cnt = st
-                    slot = lax.rem(k, 2)
-                    plgpu.barrier_wait(task_ready.at[slot])
-                    j, c0, e0, prev_s = (task_smem[slot, f] for f in range(_MAILBOX))
-                    plgpu.barrier_arrive(task_free.at[slot])   # each thread has its copy
+                    j, c0, e0, prev_s = mailbox.take(k, _MAILBOX)
                     pl.when(j >= 0)(lambda: run_task(k, cnt, j, c0, e0, prev_s))
                     return j, k + 1, cnt + jnp.where(j >= 0, e0 - c0, 0)
 
