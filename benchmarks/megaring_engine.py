@@ -23,6 +23,9 @@ ablation (the engine steps run every head in one launch per pass, heads as copie
                   own a KV tile's key halves, a producer streams the query side; static lists)
   fused_ws        ``fused`` with the three-warpgroup kernels (the producers claim while the
                   compute warpgroups run the previous task)
+  fused_ws_masked ``fused_ws`` whose backward masks every entry
+                  (``ws_tables(skip_full_masks=False)``; ``fused_ws`` runs a task's full
+                  entries, every pair valid, without the mask)
   ==============  =====================================================================
 
 Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
@@ -32,9 +35,9 @@ over the launch time (the engine steps: all ``P`` ranks share the GPU in one lau
 time is measured before and after a case's steps and the faster of the two counts.
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
-        [--steps fused_ws,staged_ws,fused,fused_tau1,staged,segment_ring,fused_merge] [--reps 10] [--budget-s S] [--out PATH]
+        [--steps fused_ws,staged_ws,fused_ws_masked,...] [--reps 10] [--budget-s S] [--out PATH]
         [--profile DIR]    # also: each engine step's forward (one-warpgroup steps) or backward
-                           # (``*_ws`` steps) under the profiler, per-CTA breakdown
+                           # (fused_ws, staged_ws) under the profiler, per-CTA breakdown
     python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens, 2 heads
 
 On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
@@ -51,7 +54,8 @@ from benchmarks import harness as H
 
 CHECK_ROWS = 512   # query rows per head checked vs float64 (--check)
 # The engine steps first: a device call cut by its limit has timed what is least measured.
-STEPS = ("fused_ws", "staged_ws", "fused", "fused_tau1", "staged", "segment_ring", "fused_merge")
+STEPS = ("fused_ws", "staged_ws", "fused_ws_masked", "fused", "fused_tau1", "staged",
+         "segment_ring", "fused_merge")
 
 
 def cases(spec: str) -> list[H.Case]:
@@ -108,7 +112,24 @@ def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool,
         kw["warp_specialized"] = True
         fns["staged_ws"] = engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw)
         fns["fused_ws"] = engine_launches("fused", tb, geom, **kw)
+        for step, opt in WS_VARIANTS.items():
+            fns[step] = (fns["fused_ws"][0], ws_backward(tb, geom, scale, kw["ctas_per_rank"], opt))
     return fns
+
+
+# fused_ws with its backward's tables changed (megaring_engine_bwd_ws.ws_tables' options)
+WS_VARIANTS = {"fused_ws_masked": {"skip_full_masks": False}}
+
+
+def ws_backward(tb, geom, scale: float, ctas: int, opt: dict):
+    """The three-warpgroup backward with dynamic claims on ``ws_tables(..., **opt)``."""
+    from liquidcp_jax.megaring import engine_backward as eb
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
+    t = bws.ws_tables(eb.build_backward_tables(tb), geom, None, **opt)
+
+    def bwd(*x):
+        return bws.backward_ws(*x, tb, geom, scale=scale, ctas_per_rank=ctas, tables=t)
+    return bwd
 
 
 def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, root: str) -> dict:
@@ -283,20 +304,26 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                         fb_ms = H.time_fn(fb, flat(qc), flat(kc), flat(vc), flat(doc),
                                           reps=a.reps).median_ms
                         row.update(fb_ms=round(fb_ms, 4), fb_efficiency=round(one_fb_ms / fb_ms, 3))
-                if a.profile and not a.interpret and not step.endswith("_ws"):
-                    pr = profile_step(step, tbh, tbh1, gh, scale, num_sms,
-                                      (flat(qc), flat(kc), flat(vc)), a.profile)
-                    row["profile"] = pr
-                    print(f"    {step} profile, us per CTA (mean / max): " + ", ".join(
-                        f"{n[5:]} {v['mean_us']:.0f} / {v['max_us']:.0f}" for n, v in pr.items()
-                        if n != "entries_per_cta"), flush=True)
-                if a.profile and not a.interpret and step.endswith("_ws") and a.bwd:
-                    pr = profile_backward(step, tbh, gh, scale, num_sms,
-                                          (flat(qc), flat(kc), flat(vc), flat(doc)), a.profile)
-                    row["bwd_profile"] = pr
-                    print(f"    {step} backward profile, us per CTA (mean / max): " + ", ".join(
-                        f"{n[4:]} {v['mean_us']:.0f} / {v['max_us']:.0f}" for n, v in pr.items()
-                        if n != "entries_per_cta"), flush=True)
+                try:   # a failed profile is the row's profile_error, its timings stand
+                    if a.profile and not a.interpret and "_ws" not in step:
+                        pr = profile_step(step, tbh, tbh1, gh, scale, num_sms,
+                                          (flat(qc), flat(kc), flat(vc)), a.profile)
+                        row["profile"] = pr
+                        print(f"    {step} profile, us per CTA (mean / max): " + ", ".join(
+                            f"{n[5:]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
+                            for n, v in pr.items() if n != "entries_per_cta"), flush=True)
+                    if (a.profile and not a.interpret and step in ("fused_ws", "staged_ws")
+                            and a.bwd):
+                        pr = profile_backward(step, tbh, gh, scale, num_sms,
+                                              (flat(qc), flat(kc), flat(vc), flat(doc)),
+                                              a.profile)
+                        row["bwd_profile"] = pr
+                        print(f"    {step} backward profile, us per CTA (mean / max): "
+                              + ", ".join(f"{n[4:]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
+                                          for n, v in pr.items() if n != "entries_per_cta"),
+                              flush=True)
+                except Exception as e:  # noqa: BLE001
+                    row["profile_error"] = H.error_text(e)
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end
             row["error"] = H.error_text(e)
         rows.append(row)
@@ -352,7 +379,7 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="also run each engine step once under Mosaic GPU's profiler (traces in "
                          "DIR) and record where its CTAs' time goes: the forward of the "
-                         "one-warpgroup steps, the backward of the *_ws steps (not with "
+                         "one-warpgroup steps, the backward of fused_ws and staged_ws (not with "
                          "--fwd-only)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens, 2 heads")
@@ -365,6 +392,13 @@ def main(argv=None):
     if a.interpret:
         H.interpret_mode()
         a.cases, a.steps, a.tile, a.heads, a.head_dim = "pilecc:2K:4", ["staged"], 64, 2, 64
+    if a.profile and not a.interpret:
+        import jax
+        try:
+            jax.devices("cpu")
+        except RuntimeError:
+            ap.error("--profile: the profiler writes its trace from a host callback, which needs "
+                     "the CPU platform: run with JAX_PLATFORMS=cuda,cpu (or unset)")
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     G = 132 if a.interpret else num_sms()
     report = H.Report("benchmarks.megaring_engine", a.out, argv, reps=a.reps, num_sms=G)

@@ -13,11 +13,14 @@ from liquidcp_jax.pallas import megaring_engine_bwd as mb
 from liquidcp_jax.pallas import megaring_transport as mt
 
 # (lengths, starts, sizes, P, B): P = 2 with tiles of 64 (one key / query half), P = 4 with tiles
-# of 128 (two halves); sequences of 40 and 5 tokens are shorter than a tile.
+# of 128 (two halves); sequences of 40 and 5 tokens are shorter than a tile. Plan 3 (tiles of
+# 128): long enough that whole tiles of one sequence meet (full entries, no mask) beside
+# partial ones.
 PLANS = [
     ([200, 70, 40], [0, 1, 0], [2, 1, 1], 2, 64),
     ([500, 130, 700, 40], [0, 2, 0, 3], [2, 1, 4, 1], 4, 128),
     ([300, 77, 1000, 40, 5, 129], [0, 2, 0, 3, 1, 4], [2, 1, 8, 1, 1, 4], 8, 64),
+    ([2048, 1100, 130, 300], [0, 2, 3, 2], [2, 1, 1, 1], 4, 128),
 ]
 
 
@@ -307,7 +310,7 @@ def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
     from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
     from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
     from liquidcp_jax.pallas.megaring_engine_ws import token_codes
-    tb, g = plan(1, causal)
+    tb, g = plan(3, causal)
     bt = eb.build_backward_tables(tb)
     t = bw.ws_tables(bt, g, num_ctas)
     ref_t = bw.ws_tables(bt, g, None)
@@ -330,12 +333,14 @@ def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
     dq, dk, dv = (np.zeros_like(q) for _ in range(3))
     delta = (do * o).sum(1)
     w = bw.WT
+    n_full = 0
     for row in t["task"].tolist():
         src = recv[row[w["kv_row"]]] if row[w["remote"]] else row[w["kv_row"]]
         assert src == row[w["code_row"]] == row[w["owner_row"]]
         for hk in range(2):
             kr = src + hk * H + np.arange(H)
-            for e in range(row[w["ent_start"]], row[w["ent_start"]] + row[w["ent_count"]]):
+            e0 = row[w["ent_start"]]
+            for e in range(e0, e0 + row[w["ent_count"]]):
                 qr0, sid = t["ent"][e]
                 kd = code[row[w["code_row"]] + hk * H + np.arange(H)] - sid * span
                 kd = (np.where(kd >= 0, kd, np.iinfo(np.int32).max) if causal else
@@ -344,7 +349,9 @@ def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
                     qr = qr0 + hq * H + np.arange(H)
                     qd = code[qr] - sid * span
                     hd = np.where((qd >= 0) & (qd < span), qd if causal else 0, -1)
-                    m = kd[None, :] <= hd[:, None]
+                    # the kernel skips the mask of a task's first ent_full entries
+                    m = (kd[None, :] <= hd[:, None]) | (e < e0 + row[w["ent_full"]])
+                    n_full += e < e0 + row[w["ent_full"]]
                     s = np.where(m, q[qr] @ k[kr].T * 0.3 - lse[qr][:, None], 0)
                     p = np.where(m, np.exp(s), 0)
                     ds = np.where(m, p * (do[qr] @ v[kr].T - delta[qr][:, None]), 0)
@@ -353,6 +360,58 @@ def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
                     dv[kr] += p.T @ do[qr]
     for a, b in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+    assert n_full > 0   # the plan has full entries (their masks skipped, the gradients exact)
+
+
+def test_ws_full_entries_keep_every_pair():
+    """:func:`full_entries` marks an entry full only when the code mask keeps every pair; the
+    tables put each task's full entries first and count them."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_fused as mf
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    from liquidcp_jax.pallas.megaring_engine_ws import token_codes
+    for causal in (True, False):
+        tb, g = plan(3, causal)
+        bt = eb.build_backward_tables(tb)
+        t = bw.ws_tables(bt, g, None)
+        code, span = token_codes(tb.tok_seq, tb.tok_pos)
+        w, B = bw.WT, g.tile_size
+        seen = {True: 0, False: 0}
+        for row in t["task"].tolist():
+            e0, ne, nf = row[w["ent_start"]], row[w["ent_count"]], row[w["ent_full"]]
+            kd = code[row[w["code_row"]] + np.arange(B)]
+            for e in range(e0, e0 + ne):
+                qr0, sid = t["ent"][e]
+                qd = code[qr0 + np.arange(B)] - sid * span
+                kk = kd - sid * span
+                inq, ink = (qd >= 0) & (qd < span), (kk >= 0) & (kk < span)
+                every = inq.all() and ink.all() and (not causal or kk.max() <= qd.min())
+                assert (e < e0 + nf) == every, (row, e)
+                seen[bool(every)] += 1
+        assert seen[True] and seen[False]
+        f = mf.fused_tables(bt, g)   # the same entries, reordered inside each task's range
+        for a, n in zip(f["task"][:, mf.FT["ent_start"]], f["task"][:, mf.FT["ent_count"]]):
+            assert sorted(map(tuple, t["ent"][a:a + n].tolist())) == sorted(
+                map(tuple, f["ent"][a:a + n, :2].tolist()))
+
+
+def test_ws_tables_mask_ablation_and_foreign_tables():
+    """``skip_full_masks=False`` marks no entry full (the same entries, the same order of tasks);
+    tables of other claims are a ValueError naming ``tables``."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    tb, g = plan(3)
+    bt = eb.build_backward_tables(tb)
+    a = bw.ws_tables(bt, g, None)
+    m = bw.ws_tables(bt, g, None, skip_full_masks=False)
+    w = bw.WT
+    assert (m["task"][:, w["ent_full"]] == 0).all() and (a["task"][:, w["ent_full"]] > 0).any()
+    cols = [i for n, i in w.items() if n != "ent_full"]
+    np.testing.assert_array_equal(a["task"][:, cols], m["task"][:, cols])
+    np.testing.assert_array_equal(a["task_off"], m["task_off"])
+    x = jnp.ones((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    lse = jnp.zeros((x.shape[0],), jnp.float32)
+    with pytest.raises(ValueError, match="tables"):   # static lists' tables for dynamic claims
+        bw.backward_ws(x, x, x, x, lse, x, tb, g, scale=0.1, ctas_per_rank=2,
+                       tables=bw.ws_tables(bt, g, 3))
 
 
 def test_ws_backward_validation():

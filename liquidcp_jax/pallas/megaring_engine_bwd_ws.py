@@ -27,7 +27,9 @@ Masks by per-token codes (:func:`megaring_engine_ws.token_codes`, ``seq * span +
 entry of sequence ``s`` a key's distance ``kd = code - s * span`` (``INT_MAX`` if negative: an
 earlier sequence or padding; a later sequence's is ``>= span``) and a query's ``hd`` (its
 distance, ``-1`` outside ``s``, so below ``span``) give the causal mask ``kd <= hd`` in one
-compare per pair (non-causal: ``kd`` and ``hd`` become 0 inside ``s``). Masked pairs get exact
+compare per pair (non-causal: ``kd`` and ``hd`` become 0 inside ``s``). A task's *full* entries
+(every pair valid: :func:`full_entries`) come first in its range and run without the mask, as
+the tile kernels' full tiles do. Masked pairs get exact
 zeros in P^T and dS^T, which the wgmmas still multiply by Q / K / dO rows: those must be finite
 (``prepare`` zeroes dO, out and LSE on padding rows; q and k are the caller's, as in the forward).
 
@@ -86,9 +88,10 @@ BWD_CLAIM = "bwd_claim"         # producer, per claim: the fetch-add (dynamic cl
 PROFILE_REGIONS = (BWD_COMPUTE, BWD_WAIT, BWD_STEPS, BWD_EPILOGUE, BWD_CLAIM)
 PROFILE_SPACE = 512             # regions per warpgroup: 4 per task + 2, up to 127 tasks per CTA
 # Task columns: remote (rk / rv over k / v), first K / V row, first row of the keys' codes (the
-# owner's rows), entry range, first row of the owner's dK / dV accumulators.
+# owner's rows), entry range, first row of the owner's dK / dV accumulators, and how many of the
+# entries (they come first) are full: every pair valid, no mask.
 WT = {n: i for i, n in enumerate(("remote", "kv_row", "code_row", "ent_start", "ent_count",
-                                  "owner_row"))}
+                                  "owner_row", "ent_full"))}
 
 
 def smem_bytes(d: int, itemsize: int, mcs: int) -> int:
@@ -124,16 +127,55 @@ def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
     return out
 
 
-def ws_tables(bt: eb.BackwardTables, geom: RingGeometry, num_ctas: int | None) -> dict:
+def full_entries(tb: ep.EngineTables, ent: np.ndarray, key_row: np.ndarray) -> np.ndarray:
+    """bool ``[n_ent]``: whether entry ``e`` (Q tile at stacked row ``ent[e, 0]`` of sequence
+    ``ent[e, 1]``) against the keys at stacked rows ``key_row[e] + [0, tile)`` is *full*: every
+    query and key a token of that sequence and (causal) every key at or before every query, so
+    the mask would keep every pair. Tiles that do not start at a tile multiple count as not full
+    (masked: always correct)."""
+    B = tb.tile_size
+    code, span = fwd_ws.token_codes(tb.tok_seq, tb.tok_pos)
+    n = -(-code.size // B)
+    c = np.full(n * B, -1, np.int64)
+    c[:code.size] = code.reshape(-1)
+    c = c.reshape(n, B)
+    lo, hi = c.min(1), c.max(1)
+    seq = np.where((lo >= 0) & (lo // span == hi // span), lo // span, -1)   # -1: mixed / padding
+    qr, kr, s = ent[:, 0].astype(np.int64), key_row.astype(np.int64), ent[:, 1].astype(np.int64)
+    aligned_ = (qr % B == 0) & (kr % B == 0) & (qr < n * B) & (kr < n * B)
+    qb, kb = np.where(aligned_, qr // B, 0), np.where(aligned_, kr // B, 0)
+    full = aligned_ & (seq[qb] == s) & (seq[kb] == s)
+    if tb.causal:
+        full &= hi[kb] % span <= lo[qb] % span
+    return full
+
+
+def ws_tables(bt: eb.BackwardTables, geom: RingGeometry, num_ctas: int | None, *,
+              skip_full_masks: bool = True) -> dict:
     """Host: the int32 arrays of the launch (NumPy). ``task [n_task, WT]`` and ``task_off``:
     with ``num_ctas`` None (dynamic claims) rank-major queues, each longest first (most
     entries), and ``(P + 1,)`` queue bounds; otherwise ``num_ctas`` lists, longest first to the
     least-loaded CTA, and ``(num_ctas + 1,)`` bounds. ``ent [n_ent, 2]``: first stacked row of
-    the Q tile, sequence (``bt.ent`` order, which the tasks' ranges index)."""
+    the Q tile, sequence; each task's range ``bt.ent``'s, its :func:`full_entries` first (the
+    kernel skips their masks), their count in ``WT["ent_full"]`` (``skip_full_masks=False``: 0,
+    every entry masked, and the launch is built without the unmasked loop)."""
     f = mbf.fused_tables(bt, geom)   # checks geom against the tables
     ft = mbf.FT
+    ent = f["ent"][:, :2].copy()
+    starts, counts = f["task"][:, ft["ent_start"]], f["task"][:, ft["ent_count"]]
+    key_row = np.repeat(f["task"][:, ft["meta_row"]], counts)   # each entry's task's keys
+    eidx = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, counts)] or [[]])
+    full = np.zeros(len(ent), bool)
+    if skip_full_masks:
+        full[eidx.astype(np.int64)] = full_entries(bt.fwd, ent[eidx.astype(np.int64)], key_row)
+    n_full = np.zeros(len(starts), np.int64)
+    for i, (a, n) in enumerate(zip(starts.tolist(), counts.tolist())):
+        fl = full[a:a + n]
+        ent[a:a + n] = np.concatenate([ent[a:a + n][fl], ent[a:a + n][~fl]])   # full ones first
+        n_full[i] = fl.sum()
     rows = [tuple(r[ft[name]] for name in ("remote", "kv_row", "meta_row", "ent_start",
-                                           "ent_count", "owner_row")) for r in f["task"].tolist()]
+                                           "ent_count", "owner_row")) + (int(nf),)
+            for r, nf in zip(f["task"].tolist(), n_full.tolist())]
     if num_ctas is None:   # each rank's queue longest first: claims then balance as LPT does
         off = f["task_off"]
         task = [x for d in range(len(off) - 1)
@@ -145,15 +187,17 @@ def ws_tables(bt: eb.BackwardTables, geom: RingGeometry, num_ctas: int | None) -
         task = [x for lst in lists for x in lst]
         off = np.concatenate([[0], np.cumsum([len(x) for x in lists])])
     return {"task": np.asarray(task, np.int32).reshape(-1, len(WT)),
-            "task_off": np.asarray(off, np.int32), "ent": f["ent"][:, :2].copy()}
+            "task_off": np.asarray(off, np.int32), "ent": ent}
 
 
 @functools.lru_cache(maxsize=16)
 def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, span: int,
-          dynamic: bool, mcs: int = 2, profile_dir: str | None = None):
+          dynamic: bool, mcs: int = 2, profile_dir: str | None = None, skip_full: bool = True):
     """The compute launch (module docstring): inputs ``task, task_off, ent, code, q, k, v, do,
     lse2, delta, rk, rv`` and the f32 accumulators ``dq, dk, dv`` (``jax.Ref``, added into);
-    ``profile_dir``: the profiler's trace of each launch goes there (:func:`profile_breakdown`)."""
+    ``profile_dir``: the profiler's trace of each launch goes there (:func:`profile_breakdown`);
+    ``skip_full``: a task's first ``ent_full`` entries run without the mask (False: every entry
+    masked, ``ent_full`` unread)."""
     dtype = jnp.dtype(dtype_name)
     B = _TILE
     # dQ per warpgroup: D = 128, columns [64 w, 64 w + 64) over all 128 keys (FA3's split, half
@@ -271,26 +315,31 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                 zero_q = plgpu.layout_cast(jnp.zeros((_H, cw), jnp.float32), plgpu.Layout.WGMMA)
                 shape = (_H, _H)
 
-                def step(x, lo, qrow, kd, dk, dv):
-                    """Step ``x`` of the CTA: this warpgroup's keys against 64 queries."""
+                def step(x, lo, qrow, kd, dk, dv, masked):
+                    """Step ``x`` of the CTA: this warpgroup's keys against 64 queries;
+                    ``masked`` False on a full entry (every pair valid: no mask)."""
                     slot = lax.rem(x, jnp.int32(mcs))
                     ds_buf = ds_s.at[lax.rem(x, 2)]
                     plgpu.barrier_wait(q_bar.at[slot])
-                    qd = plgpu.load(qc_s.at[slot], layout=col_l) - dev.bcast(lo, (_H,), col_l)
-                    inside = (qd >= 0) & (qd < span)
-                    hd = jnp.where(inside, qd if causal else 0, -1)
-                    ok = (lax.broadcast_in_dim(kd, shape, [0])
-                          <= lax.broadcast_in_dim(hd, shape, [1]))
+                    if masked:
+                        qd = (plgpu.load(qc_s.at[slot], layout=col_l)
+                              - dev.bcast(lo, (_H,), col_l))
+                        inside = (qd >= 0) & (qd < span)
+                        hd = jnp.where(inside, qd if causal else 0, -1)
+                        ok = (lax.broadcast_in_dim(kd, shape, [0])
+                              <= lax.broadcast_in_dim(hd, shape, [1]))
                     lse = plgpu.load(lse_s.at[slot], layout=col_l)
 
                     def probs_t(st):   # P^T on the entry's pairs only (others excluded)
-                        st = jnp.where(ok, st * scale2, -jnp.inf)
+                        st = jnp.where(ok, st * scale2, -jnp.inf) if masked else st * scale2
                         return jnp.exp2(st - lax.broadcast_in_dim(lse, shape, [1]))
 
                     plgpu.barrier_wait(do_bar.at[slot])
                     pt, dpt = mm_t_pair(k_w, q_s.at[slot], v_w, do_s.at[slot], shape, probs_t)
                     dl = plgpu.load(dl_s.at[slot], layout=col_l)
-                    ds = jnp.where(ok, pt * (dpt - lax.broadcast_in_dim(dl, shape, [1])), 0.0)
+                    ds = pt * (dpt - lax.broadcast_in_dim(dl, shape, [1]))
+                    if masked:
+                        ds = jnp.where(ok, ds, 0.0)
                     ds = ds.astype(dtype)
                     ds_buf.at[mine][...] = ds
                     plgpu.commit_smem()
@@ -326,22 +375,30 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                     kc = plgpu.load(kc_s.at[mine], layout=row_l)
                     e0, ne = task_ref[t, WT["ent_start"]], task_ref[t, WT["ent_count"]]
 
-                    def entry(e, carry):
+                    def entry(masked, e, carry):
                         dk, dv = carry
                         lo = ent_ref[e, 1] * span
-                        kd = kc - dev.bcast(lo, (_H,), row_l)
-                        if causal:   # keys of later sequences: kd >= span > every hd
-                            kd = jnp.where(kd >= 0, kd, _INT_MAX)
-                        else:
-                            kd = jnp.where((kd >= 0) & (kd < span), 0, _INT_MAX)
+                        kd = None
+                        if masked:
+                            kd = kc - dev.bcast(lo, (_H,), row_l)
+                            if causal:   # keys of later sequences: kd >= span > every hd
+                                kd = jnp.where(kd >= 0, kd, _INT_MAX)
+                            else:
+                                kd = jnp.where((kd >= 0) & (kd < span), 0, _INT_MAX)
                         x = cnt + 2 * (e - e0)
                         for hq in range(2):
                             qrow = pl.multiple_of(ent_ref[e, 0] + hq * _H, 8)
-                            dk, dv = step(x + hq, lo, qrow, kd, dk, dv)
+                            dk, dv = step(x + hq, lo, qrow, kd, dk, dv, masked)
                         return dk, dv
 
-                    with jax.named_scope(BWD_STEPS):
-                        dk, dv = lax.fori_loop(e0, e0 + ne, entry, (zero, zero))
+                    with jax.named_scope(BWD_STEPS):   # the full entries first (ws_tables)
+                        dk, dv, e1 = zero, zero, e0
+                        if skip_full:
+                            e1 = e0 + task_ref[t, WT["ent_full"]]
+                            dk, dv = lax.fori_loop(e0, e1, functools.partial(entry, False),
+                                                   (dk, dv))
+                        dk, dv = lax.fori_loop(e1, e0 + ne, functools.partial(entry, True),
+                                               (dk, dv))
                     plgpu.barrier_arrive(kv_free)   # every wgmma reading K / V is done
                     rows = pl.ds(pl.multiple_of(task_ref[t, WT["owner_row"]] + w * _H, 8), _H)
 
@@ -408,14 +465,15 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
 
 def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
                 ctas_per_rank: int | None = None, num_ctas: int | None = None, recv=None,
-                profile_dir: str | None = None):
+                profile_dir: str | None = None, tables: dict | None = None):
     """dQ, dK, dV ``[P * C, D]`` (``q.dtype``) of the engine's attention on emulated ranks, on
     three warpgroups (module docstring; GPU only). Exactly one of ``ctas_per_rank`` (dynamic
     claims, ``P * ctas_per_rank`` CTAs) and ``num_ctas`` (static lists) is given; other arguments
     as :func:`megaring_engine_bwd.backward_staged` (``recv``: the forward's receive buffers
     ``(rk, rv)``, default a transfer launch of ``k`` and ``v``). ``profile_dir``: Mosaic GPU's
     profiler records the :data:`PROFILE_REGIONS` of every warpgroup and writes a Chrome trace
-    there after each launch (:func:`profile_breakdown` reads it)."""
+    there after each launch (:func:`profile_breakdown` reads it). ``tables``: the launch's
+    :func:`ws_tables` for these claims (default: built from ``tb``, longest first)."""
     mbs._check_inputs(q, k, v, out, lse, do, tb, geom, scale, False)
     if profile_dir is not None:
         if not isinstance(profile_dir, (str, os.PathLike)) or not os.fspath(profile_dir):
@@ -433,14 +491,23 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
                 ctas_per_rank < 1):
             raise ValueError(f"ctas_per_rank must be an int >= 1; got {ctas_per_rank!r}")
         G = geom.num_ranks * int(ctas_per_rank)
-    t = ws_tables(eb.build_backward_tables(tb), geom, None if dynamic else num_ctas)
     if not dynamic:
         G = int(num_ctas)
+    if tables is None:
+        t = ws_tables(eb.build_backward_tables(tb), geom, None if dynamic else num_ctas)
+    else:
+        t = tables
+        n_off = geom.num_ranks + 1 if dynamic else G + 1
+        if not isinstance(t, dict) or set(t) != {"task", "task_off", "ent"} or (
+                np.shape(t["task_off"]) != (n_off,)):
+            raise ValueError(f"tables must be ws_tables(...) for these claims ({n_off} queue / "
+                             f"list bounds); got {type(t).__name__}")
     code, span = fwd_ws.token_codes(tb.tok_seq, tb.tok_pos)
     (rk, rv), (do_, delta, lse2), acc = mbs.reduce_add_inputs(q, k, v, out, lse, do, tb, geom,
                                                               recv)
     call = build(G, geom.num_ranks, q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal),
-                 float(scale), span, dynamic, profile_dir=profile_dir)
+                 float(scale), span, dynamic, profile_dir=profile_dir,
+                 skip_full=bool((t["task"][:, WT["ent_full"]] > 0).any()))
     pad = mbs.table_arg
     call(pad(t["task"]), pad(t["task_off"]), pad(t["ent"]), jnp.asarray(code), q, k, v, do_,
          lse2, delta, rk, rv, *acc)
