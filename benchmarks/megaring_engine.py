@@ -36,8 +36,8 @@ time is measured before and after a case's steps and the faster of the two count
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
         [--steps fused_ws,staged_ws,fused_ws_masked,...] [--reps 10] [--budget-s S] [--out PATH]
-        [--profile DIR]    # also: each engine step's forward (one-warpgroup steps) or backward
-                           # (fused_ws, staged_ws) under the profiler, per-CTA breakdown
+        [--profile DIR]    # also: each engine step's forward and the backward of fused_ws /
+                           # staged_ws under the profiler, per-CTA breakdown
     python -m benchmarks.megaring_engine --interpret        # CPU smoke: staged step, 2K tokens, 2 heads
 
 On a machine without a Hopper GPU the GPU steps record their error; ``--interpret`` runs the
@@ -108,15 +108,16 @@ def engine_fns(tb, tb1, geom, scale: float, num_sms: int, interpret: bool,
     fns = {"staged": engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw),
            "fused_tau1": engine_launches("fused", tb1, geom, **kw),
            "fused": engine_launches("fused", tb, geom, **kw)}
-    if profile_dir is None:   # the three-warpgroup forward has no profile mode
-        kw["warp_specialized"] = True
-        fns["staged_ws"] = engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw)
-        fns["fused_ws"] = engine_launches("fused", tb, geom, **kw)
-        for step, opt in WS_VARIANTS.items():
-            fns[step] = (fns["fused_ws"][0], ws_backward(tb, geom, scale, kw["ctas_per_rank"], opt))
+    kw["warp_specialized"] = True
+    fns["staged_ws"] = engine_launches("staged", tb, geom, sim=sim, interpret=interpret, **kw)
+    fns["fused_ws"] = engine_launches("fused", tb, geom, **kw)
+    for step, opt in WS_VARIANTS.items():
+        fns[step] = (fns["fused_ws"][0], ws_backward(tb, geom, scale, kw["ctas_per_rank"], opt))
     return fns
 
 
+# Steps whose forward --profile runs (fused_ws_masked's forward is fused_ws's)
+PROFILED_FORWARDS = ("fused_ws", "staged_ws", "fused", "fused_tau1", "staged")
 # fused_ws with its backward's tables changed (megaring_engine_bwd_ws.ws_tables' options)
 WS_VARIANTS = {"fused_ws_masked": {"skip_full_masks": False}}
 
@@ -134,20 +135,25 @@ def ws_backward(tb, geom, scale: float, ctas: int, opt: dict):
 
 def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, root: str) -> dict:
     """One profiled forward of an engine step (traces under ``root/step``): per region of
-    ``megaring_engine.PROFILE_REGIONS`` plus ``ring_scan``, the mean and max over the launch's
-    CTAs of its time per CTA (µs), and the mean entries per CTA (task halves for the tiles)."""
+    ``megaring_engine.PROFILE_REGIONS`` plus ``ring_scan`` (one-warpgroup steps) or of
+    ``megaring_engine_ws.PROFILE_REGIONS`` plus ``fwd_tiles`` (``*_ws`` steps), the mean and max
+    over the launch's CTAs of its time per CTA (µs), and the mean entries per CTA."""
+    import glob
     import os
     import jax
     from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import megaring_engine_ws as ws
     from liquidcp_jax.pallas import profile_trace
     d = os.path.join(root, step)
     os.makedirs(d, exist_ok=True)
+    for old in glob.glob(os.path.join(d, "*.json")):   # an earlier case's trace is never read
+        os.remove(old)
     f = jax.jit(engine_fns(tb, tb1, geom, scale, num_sms, False, profile_dir=d)[step][0])
     for _ in range(2):   # the second launch's trace: compiled and warm
         jax.block_until_ready(f(*args))
     G = geom.num_ranks * ctas_per_rank(tb, geom, num_sms)
-    return summarize(me.profile_breakdown(profile_trace.latest_trace(d), G,
-                                          H.sm_clock_ghz() or 1.98))
+    breakdown = (ws if step.endswith("_ws") else me).profile_breakdown
+    return summarize(breakdown(profile_trace.latest_trace(d), G, H.sm_clock_ghz() or 1.98))
 
 
 def summarize(breakdown: dict) -> dict:
@@ -305,12 +311,12 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                                           reps=a.reps).median_ms
                         row.update(fb_ms=round(fb_ms, 4), fb_efficiency=round(one_fb_ms / fb_ms, 3))
                 try:   # a failed profile is the row's profile_error, its timings stand
-                    if a.profile and not a.interpret and "_ws" not in step:
+                    if a.profile and not a.interpret and step in PROFILED_FORWARDS:
                         pr = profile_step(step, tbh, tbh1, gh, scale, num_sms,
                                           (flat(qc), flat(kc), flat(vc)), a.profile)
                         row["profile"] = pr
                         print(f"    {step} profile, us per CTA (mean / max): " + ", ".join(
-                            f"{n[5:]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
+                            f"{n.split('_', 1)[1]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
                             for n, v in pr.items() if n != "entries_per_cta"), flush=True)
                     if (a.profile and not a.interpret and step in ("fused_ws", "staged_ws")
                             and a.bwd):
@@ -378,9 +384,9 @@ def main(argv=None):
                     help="time the forward only (default: also forward+backward)")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="also run each engine step once under Mosaic GPU's profiler (traces in "
-                         "DIR) and record where its CTAs' time goes: the forward of the "
-                         "one-warpgroup steps, the backward of fused_ws and staged_ws (not with "
-                         "--fwd-only)")
+                         "DIR) and record where its CTAs' time goes: its forward, and the "
+                         "backward of fused_ws and staged_ws (not with --fwd-only); needs the "
+                         "CPU platform (JAX_PLATFORMS=cuda,cpu)")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke: the staged step in the Mosaic GPU interpreter, 2K tokens, 2 heads")
     H.add_common_args(ap, H.latest("megaring_engine.json"), reps=10, budget_s=500.0)

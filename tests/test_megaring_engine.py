@@ -183,11 +183,6 @@ def test_ws_token_codes_and_validation():
     q = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="warp_specialized=True.*128 rows"):
         me.forward_launch(q, q, q, tb, g, scale=0.1, ctas_per_rank=2, warp_specialized=True)
-    _, tb, g = _plan(*(FWD_CASES[0][0][:4] + (128,)), 1)
-    q = jnp.zeros((g.num_ranks * g.rows, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="profile"):
-        me.forward_staged(q, q, q, tb, g, scale=0.1, num_ctas=2, warp_specialized=True,
-                          profile_dir="/tmp/x")
 
 
 @pytest.mark.parametrize("case", range(len(FWD_CASES)))
@@ -388,3 +383,55 @@ def test_profile_breakdown_from_a_profiler_trace():
                      for e in (("ring_tiles", "B", 10 * i), ("ring_tiles", "E", 10 * i + 5))]}
     with pytest.raises(ValueError, match="filled its profile space"):
         me.profile_breakdown(profiler_trace(full, me.PROFILE_SPACE, 1), 1, clock)
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_ws_forward_profile_mode_lowers_and_reads(monkeypatch, tmp_path, rng, d):
+    """Profile mode of the three-warpgroup forward (``warp_specialized=True``): fused and staged
+    launches carry the profiler's buffer (3 warpgroups x ``PROFILE_SPACE`` regions per CTA: SMEM
+    fits at D = 128), a ``profile_dir`` with the default choice profiles the one-warpgroup
+    kernel; :func:`megaring_engine_ws.profile_breakdown` sums each region per CTA, the longer
+    compute warpgroup counting, and derives the tiles' time, from a trace in the profiler's
+    format."""
+    from _profiler_traces import profiler_trace
+    from liquidcp_jax.pallas import megaring_engine_ws as ws
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)   # no host callback here
+    _, tb, g = _plan(*(FWD_CASES[0][0][:4] + (128,)), 1)
+    sd = jax.ShapeDtypeStruct((g.num_ranks * g.rows, d), jnp.bfloat16)
+    for pdir, wsp in ((None, True), (str(tmp_path), True), (str(tmp_path), None)):
+        for f, G in ((lambda q, k, v: me.forward_launch(q, k, v, tb, g, scale=0.1, ctas_per_rank=3,
+                                                        profile_dir=pdir, warp_specialized=wsp),
+                      g.num_ranks * 3),
+                     (lambda q, k, v: me.forward_staged(q, k, v, tb, g, scale=0.1, num_ctas=6,
+                                                        profile_dir=pdir, warp_specialized=wsp), 6)):
+            txt = jax.jit(f).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+            calls = [x for x in txt.splitlines() if "custom_call @mosaic_gpu" in x]
+            buf = f"tensor<{G * 3 * 4 * ws.PROFILE_SPACE}xui32>"
+            assert any(buf in c for c in calls) == (pdir is not None and wsp is True)
+    G, clock = 3, 1.9
+    want = {name: np.zeros(G) for name in ws.PROFILE_REGIONS}
+    events = {}
+    for c in range(G):
+        n_tasks = int(rng.integers(1, 5))
+        for w in range(2):   # compute warpgroups: per task the hand-over wait, then the merge
+            t, ev, tot = 105, [(ws.FWD_COMPUTE, "B", 100)], {n: 0 for n in ws.PROFILE_REGIONS}
+            for name in [ws.FWD_WAIT, ws.FWD_MERGE] * n_tasks + [ws.FWD_WAIT]:
+                dt = int(rng.integers(1_000, 50_000))
+                ev += [(name, "B", t), (name, "E", t + dt)]
+                tot[name] += dt
+                t += dt + 20_000   # the task's tiles between its wait and its merge
+            ev.append((ws.FWD_COMPUTE, "E", t))
+            tot[ws.FWD_COMPUTE] = t - 100
+            events[(c, w)] = ev
+            for n in tot:
+                want[n][c] = max(want[n][c], tot[n])
+        dt = int(rng.integers(100, 900))   # the producer: transfers, then its task loop
+        events[(c, 2)] = [(ws.FWD_COMM, "B", 10), (ws.FWD_COMM, "E", 10 + dt),
+                          (ws.FWD_FEED, "B", 20 + dt), (ws.FWD_FEED, "E", 90_000)]
+        want[ws.FWD_COMM][c], want[ws.FWD_FEED][c] = dt, 90_000 - 20 - dt
+    got = ws.profile_breakdown(profiler_trace(events, ws.PROFILE_SPACE, 3), G, clock)
+    for name, w in want.items():   # kilocycles -> µs; the dump subtracts its estimated overhead
+        np.testing.assert_allclose(got[name], w / 1e3 / clock, rtol=0, atol=0.2)
+    tiles = got[ws.FWD_COMPUTE] - got[ws.FWD_WAIT] - got[ws.FWD_MERGE]
+    np.testing.assert_allclose(got["fwd_tiles"], np.maximum(tiles, 0))
+    assert got["fwd_compute_count"].tolist() == [1, 1, 1]

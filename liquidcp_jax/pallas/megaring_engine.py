@@ -710,11 +710,12 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
 
     ``delay_ns``: optional ``(n_xfer,)`` nanoseconds a worker sleeps before each transfer, in
     :func:`transfer_lists` row order (tests perturb arrival orders with it). ``profile_dir``: a
-    directory for the profiler's trace of each launch (:func:`profile_breakdown`).
+    directory for the profiler's trace of each launch (:func:`profile_breakdown`; with
+    ``warp_specialized=True`` the three-warpgroup kernel's, :func:`megaring_engine_ws.profile_breakdown`).
     ``warp_specialized``: the three-warpgroup kernel (:mod:`megaring_engine_ws`: two compute
     warpgroups share each task's KV tiles, a producer claims and loads; tiles of 128 rows, bf16 /
-    f16, no profile mode); False: the one-warpgroup kernel; None (default): the three-warpgroup
-    one wherever it can run (docs/decisions.md).
+    f16); False: the one-warpgroup kernel; None (default): the three-warpgroup one wherever it
+    can run, the one-warpgroup one with a ``profile_dir`` (docs/decisions.md).
 
     Returns ``(out [P*C, D], lse [P*C] f32)``: rows of padding (and of Q tiles without work)
     are left unwritten.
@@ -739,7 +740,8 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
                              f"shape {d.shape}")
         t["delay"] = np.concatenate([d.astype(np.int32), np.zeros(1, np.int32)])
     if _use_ws(warp_specialized, geom, q, profile_dir):
-        call, tabs = _ws_compute(tb, geom, t, int(ctas_per_rank), q, scale)
+        call, tabs = _ws_compute(tb, geom, t, int(ctas_per_rank), q, scale,
+                                 profile_dir=_check_profile_dir(profile_dir))
         outs = call(*tabs, q, k, v)
         return outs[0], outs[4]
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
@@ -751,25 +753,28 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
 
 
 def _ws_compute(tb, geom, t, num_ctas: int, q, scale, staged: bool = False,
-                interpret: bool = False):
+                interpret: bool = False, profile_dir: str | None = None):
     """The three-warpgroup compute launch (``num_ctas``: per rank fused, in all staged) and its
-    table arguments (``t``: :func:`forward_tables` with ``delay``, plus the staged lists)."""
+    table arguments (``t``: :func:`forward_tables` with ``delay``, plus the staged lists);
+    ``profile_dir``: its profile (:func:`megaring_engine_ws.profile_breakdown`)."""
     t = ws.ws_tables(tb, t)
     call = ws.build(geom.num_ranks, tb.comm_per_rank, num_ctas, geom.tiles,
                     max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                     float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                    max(len(tb.seg), 1), t["span"], staged=staged, interpret=bool(interpret))
+                    max(len(tb.seg), 1), t["span"], staged=staged, interpret=bool(interpret),
+                    profile_dir=profile_dir)
     names = ws.WS_TABLES + (("task", "task_off", "smap") if staged else ())
     return call, tuple(jnp.asarray(t[name]) for name in names)
 
 
 def _use_ws(warp_specialized, geom: RingGeometry, q, profile_dir) -> bool:
-    """Whether the three-warpgroup kernel runs: ``None`` where it can, ``True`` or a ValueError
-    naming ``warp_specialized`` where it cannot, ``False`` never."""
-    why = ws.unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
-    if why is None and profile_dir is not None:
-        why = "no profile mode (profile_dir must be None)"
-    return ws.choose(warp_specialized, why, "kernel")
+    """Whether the three-warpgroup kernel runs: ``None`` where it can (with a ``profile_dir``:
+    never, the one-warpgroup kernel's profile), ``True`` or a ValueError naming
+    ``warp_specialized`` where it cannot, ``False`` never."""
+    if profile_dir is not None and warp_specialized is None:
+        return False   # the one-warpgroup kernel's profile (:func:`profile_breakdown`)
+    return ws.choose(warp_specialized, ws.unsupported(geom.tile_size, int(q.shape[1]), q.dtype),
+                     "kernel")
 
 
 def _check_forward_inputs(q, k, v, tb, geom, rows=None):
@@ -874,7 +879,8 @@ def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret
     pad = lambda a: a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype)  # noqa: E731
     if warp_specialized:
         return _ws_compute(tb, geom, dict(t, task=pad(task), task_off=task_off, smap=smap),
-                           int(num_ctas), q, scale, staged=True, interpret=interpret)
+                           int(num_ctas), q, scale, staged=True, interpret=interpret,
+                           profile_dir=profile_dir)
     call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
                           geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
                           jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),

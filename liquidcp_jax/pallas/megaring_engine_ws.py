@@ -43,6 +43,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from liquidcp_jax.megaring import engine_protocol as ep
 from liquidcp_jax.pallas import megaring_device as dev
 from liquidcp_jax.pallas import megaring_sync as msync
+from liquidcp_jax.pallas import profile_trace
 from liquidcp_jax.pallas.common import LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params, swizzled
 from liquidcp_jax.pallas.sync import RingRelease, acquire_slot
 from liquidcp_jax.pallas.tile_attention_fwd import StepCtx, softmax_step
@@ -54,6 +55,19 @@ _TILE = 128       # the plan's tile: two compute warpgroups' halves
 _REGS_COMPUTE, _REGS_PRODUCER = 232, 40
 _INT_MAX = np.iinfo(np.int32).max
 _MAILBOX = 4      # (segment, C, E, tiles merged before (staged)) per task; segment -1 ends
+# Profile mode (``profile_dir=``, with ``warp_specialized=True``): regions per warpgroup. Compute
+# warpgroups: the task loop (once), per task the wait for its hand-over (the producer's claim and
+# loads late) and its merge (the turn, the lock, the running state's I/O); the producer: a
+# worker's transfers and inserts, then its task loop (claims or its list, and the loads).
+FWD_COMPUTE = "fwd_compute"
+FWD_WAIT = "fwd_wait"
+FWD_MERGE = "fwd_merge"
+FWD_COMM = "fwd_comm"
+FWD_FEED = "fwd_feed"
+PROFILE_REGIONS = (FWD_COMPUTE, FWD_WAIT, FWD_MERGE, FWD_COMM, FWD_FEED)
+# Regions per warpgroup: 2 per task + 1, up to 119 tasks per CTA. 16 bytes of SMEM each and
+# warpgroup (11.25 KiB): what the kernel leaves at D = 128 (256 does not fit).
+PROFILE_SPACE = 240
 
 
 def token_codes(tok_seq, tok_pos):
@@ -117,10 +131,12 @@ WS_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_loca
 @functools.lru_cache(maxsize=16)
 def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale: float,
           n_streams: int, map_size: int, n_seg: int, span: int, staged: bool = False,
-          interpret: bool = False, mcs: int = 2):
+          interpret: bool = False, mcs: int = 2, profile_dir: str | None = None):
     """The forward compute launch (see the module docstring). Inputs: the :data:`WS_TABLES`, then
     fused ``q, k, v`` -> ``(out, rk, rv, state_o, state_lse, map)``; staged ``task, task_off, smap,
-    q, k, v, rk, rv`` -> ``(out, state_o, state_lse)`` (as :mod:`megaring_engine`)."""
+    q, k, v, rk, rv`` -> ``(out, state_o, state_lse)`` (as :mod:`megaring_engine`).
+    ``profile_dir``: the profiler's trace of each launch goes there (:func:`profile_breakdown`;
+    not in the interpreter)."""
     dtype = jnp.dtype(dtype_name)
     B = _TILE
     G, C = (K if staged else P * K), n * B
@@ -221,12 +237,15 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                         return k + 1, cnt + (e0 - c0)
 
                     z = jnp.int32(0)
-                    k, cnt = lax.fori_loop(task_off_ref[c], task_off_ref[c + 1], run, (z, z))
+                    with jax.named_scope(FWD_FEED):
+                        k, cnt = lax.fori_loop(task_off_ref[c], task_off_ref[c + 1], run, (z, z))
                 else:
                     is_worker = c < P * W
                     rank = jnp.where(is_worker, lax.rem(c, P), lax.rem(c - P * W, P))
-                    communicate(is_worker, pscr)
-                    k, cnt = claim_loop(rank, pscr)
+                    with jax.named_scope(FWD_COMM):
+                        communicate(is_worker, pscr)
+                    with jax.named_scope(FWD_FEED):
+                        k, cnt = claim_loop(rank, pscr)
                 post(k, jnp.int32(-1), 0, 0, 0)   # the end
                 teardown(k, cnt)
 
@@ -327,6 +346,10 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                 def merge(k, rk_j, a, nt, prev_s, o, lse):
                     """Eq. 1 into the running state of this half: the staging buffers in turn
                     (warpgroup 0 after 1's previous merge, 1 after 0's), then the lock."""
+                    with jax.named_scope(FWD_MERGE):
+                        merge_in_turn(k, rk_j, a, nt, prev_s, o, lse)
+
+                def merge_in_turn(k, rk_j, a, nt, prev_s, o, lse):
                     pl.when((wg == 0) & (k > 0))(lambda: plgpu.barrier_wait(turn.at[1]))
                     pl.when(wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
                     u = (rk_j * n + a) * 2 + wg
@@ -371,12 +394,13 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
                 def task_step(st):
                     _, k, cnt = st
-                    j, c0, e0, prev_s = mailbox.take(k, _MAILBOX)
+                    j, c0, e0, prev_s = mailbox.take(k, _MAILBOX, scope=FWD_WAIT)
                     pl.when(j >= 0)(lambda: run_task(k, cnt, j, c0, e0, prev_s))
                     return j, k + 1, cnt + jnp.where(j >= 0, e0 - c0, 0)
 
                 z = jnp.int32(0)
-                _, k, _ = lax.while_loop(lambda st: st[0] >= 0, task_step, (z, z, z))
+                with jax.named_scope(FWD_COMPUTE):
+                    _, k, _ = lax.while_loop(lambda st: st[0] >= 0, task_step, (z, z, z))
                 # warpgroup 1's last turn (k - 1 tasks ran: the last post was the end)
                 pl.when((wg == 0) & (k > 1))(lambda: plgpu.barrier_wait(turn.at[1]))
                 plgpu.wait_smem_to_gmem(0)
@@ -418,6 +442,25 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
         recv = jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype)
         out_type = ((jax.ShapeDtypeStruct((P * C, D), dtype), recv, recv) + state
                     + (jax.ShapeDtypeStruct((max(map_size, 1),), jnp.int32),))
+    profile = {} if profile_dir is None or interpret else dict(
+        profile_space=PROFILE_SPACE, profile_dir=profile_dir,
+        profile_bounds_check=True)   # a truncated trace is reported, never corrupts memory
     return plgpu.kernel(kernel, out_type=out_type, grid=(G,), grid_names=("sm",), num_threads=3,
-                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                        thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True, **profile),
                         **interpret_params(interpret))
+
+
+def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
+    """Per CTA of a profiled launch (``profile_dir=``), µs: ``{region: float64[num_ctas]}`` for
+    :data:`PROFILE_REGIONS` (a compute region is the longer of the two compute warpgroups') plus
+    ``"fwd_tiles"`` (the task loop minus its waits and merges: the tiles' attention) and
+    ``"<region>_count"`` (entries). ``trace``: the Chrome trace (a path or its JSON) of a launch
+    with ``num_ctas`` CTAs."""
+    tot = profile_trace.region_totals(
+        trace, num_ctas, clock_ghz, PROFILE_REGIONS, num_warpgroups=3, space=PROFILE_SPACE,
+        hint="megaring_engine_ws.PROFILE_SPACE is what SMEM allows: give the launch more CTAs")
+    out = {name: t for name, (t, _) in tot.items()}
+    out.update({f"{name}_count": c for name, (_, c) in tot.items()})
+    out["fwd_tiles"] = np.maximum(out[FWD_COMPUTE] - out[FWD_WAIT] - out[FWD_MERGE], 0.0)
+    return out
