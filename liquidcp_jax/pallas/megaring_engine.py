@@ -102,11 +102,9 @@ def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
     :data:`PROFILE_REGIONS` plus ``"ring_scan"`` (compute minus its tasks' tiles, lock waits and
     merges: claim scans and waiting for arrivals) and ``"<region>_count"`` (entries).
     ``trace``: the Chrome trace (a path or its JSON) of a launch with ``num_ctas`` CTAs."""
-    tot = profile_trace.region_totals(
+    out = profile_trace.region_breakdown(
         trace, num_ctas, clock_ghz, PROFILE_REGIONS, num_warpgroups=1, space=PROFILE_SPACE,
         hint="raise megaring_engine.PROFILE_SPACE or profile a smaller plan")
-    out = {name: t for name, (t, _) in tot.items()}
-    out.update({f"{name}_count": c for name, (_, c) in tot.items()})
     out["ring_scan"] = np.maximum(
         out[RING_COMPUTE] - out[RING_TILES] - out[RING_LOCK] - out[RING_MERGE], 0.0)
     return out

@@ -119,12 +119,9 @@ def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
     :data:`PROFILE_REGIONS` (a region's time is its warpgroup's sum; of the two compute
     warpgroups the longer) and ``"<region>_count"`` (entries). ``trace``: the Chrome trace (a
     path or its JSON) of a launch with ``num_ctas`` CTAs."""
-    tot = profile_trace.region_totals(
+    return profile_trace.region_breakdown(
         trace, num_ctas, clock_ghz, PROFILE_REGIONS, num_warpgroups=3, space=PROFILE_SPACE,
         hint="raise megaring_engine_bwd_ws.PROFILE_SPACE or give the launch more CTAs")
-    out = {name: t for name, (t, _) in tot.items()}
-    out.update({f"{name}_count": c for name, (_, c) in tot.items()})
-    return out
 
 
 def full_entries(tb: ep.EngineTables, ent: np.ndarray, key_row: np.ndarray) -> np.ndarray:

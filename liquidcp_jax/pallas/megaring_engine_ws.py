@@ -457,10 +457,8 @@ def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
     ``"fwd_tiles"`` (the task loop minus its waits and merges: the tiles' attention) and
     ``"<region>_count"`` (entries). ``trace``: the Chrome trace (a path or its JSON) of a launch
     with ``num_ctas`` CTAs."""
-    tot = profile_trace.region_totals(
+    out = profile_trace.region_breakdown(
         trace, num_ctas, clock_ghz, PROFILE_REGIONS, num_warpgroups=3, space=PROFILE_SPACE,
         hint="megaring_engine_ws.PROFILE_SPACE is what SMEM allows: give the launch more CTAs")
-    out = {name: t for name, (t, _) in tot.items()}
-    out.update({f"{name}_count": c for name, (_, c) in tot.items()})
     out["fwd_tiles"] = np.maximum(out[FWD_COMPUTE] - out[FWD_WAIT] - out[FWD_MERGE], 0.0)
     return out

@@ -92,3 +92,14 @@ def region_totals(trace, num_ctas: int, clock_ghz: float, names: Sequence[str], 
             if sum(d) / clock_ghz > tot[cta]:
                 tot[cta], cnt[cta] = sum(d) / clock_ghz, len(d)   # kilocycles -> µs
     return out
+
+
+def region_breakdown(trace, num_ctas: int, clock_ghz: float, names: Sequence[str], *,
+                     num_warpgroups: int = 1, space: int, hint: str = "") -> dict:
+    """:func:`region_totals` as one dict: ``{name: float64[num_ctas]}`` µs and
+    ``{name + "_count": int64[num_ctas]}`` entries (the kernels' ``profile_breakdown``)."""
+    tot = region_totals(trace, num_ctas, clock_ghz, names, num_warpgroups=num_warpgroups,
+                        space=space, hint=hint)
+    out = {name: t for name, (t, _) in tot.items()}
+    out.update({f"{name}_count": c for name, (_, c) in tot.items()})
+    return out
