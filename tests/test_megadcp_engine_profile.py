@@ -12,6 +12,7 @@ import pytest
 from liquidcp_jax.pallas import megadcp_engine as eng
 from liquidcp_jax.pallas import megadcp_engine_profile as prof
 from liquidcp_jax.pallas import megadcp_engine_tables as et
+from liquidcp_jax.pallas import profile_trace
 
 from _engine_cases import build_tables
 from _profiler_traces import profiler_trace
@@ -47,6 +48,11 @@ def test_profiled_engine_lowers_with_the_profile_buffer(monkeypatch, tmp_path):
     assert len(calls) == 2 and f"tensor<{entries}xui32>" in calls[1] and "ui32>" not in calls[0]
     with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
         eng.EngineConfig(profile_dir="")
+    # one check for every engine (profile_trace.check_dir): a PathLike is its str
+    assert eng.EngineConfig(profile_dir=tmp_path).profile_dir == str(tmp_path)
+    for bad in ("", 3, b"/tmp"):
+        with pytest.raises(ValueError, match="profile_dir must be None or a directory"):
+            profile_trace.check_dir(bad)
 
 
 def _trace(events):

@@ -58,6 +58,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from liquidcp_jax import state as st
 from liquidcp_jax.pallas import megadcp_engine_profile as prof_lib
 from liquidcp_jax.pallas import megadcp_engine_tables as et
+from liquidcp_jax.pallas import profile_trace
 from liquidcp_jax.pallas.common import (LN2, LOG2E, SMEM_LIMIT, aligned, interpret_params,
                                         ladder_store, masked_split_loop, swizzled)
 from liquidcp_jax.pallas.sync import RingRelease, produce_persistent_task
@@ -112,10 +113,7 @@ class EngineConfig:
             raise ValueError(f"fused must be a bool, got {self.fused!r}")
         if not isinstance(self.contain_bad_data, bool):
             raise ValueError(f"contain_bad_data must be a bool, got {self.contain_bad_data!r}")
-        if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
-                                             or not self.profile_dir):
-            raise ValueError(f"profile_dir must be None or a directory path, got "
-                             f"{self.profile_dir!r}")
+        object.__setattr__(self, "profile_dir", profile_trace.check_dir(self.profile_dir))
 
     def grid(self) -> int:
         if self.num_ctas is not None:

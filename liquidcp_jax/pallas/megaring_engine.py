@@ -91,12 +91,6 @@ PROFILE_REGIONS = (RING_COMM, RING_COMPUTE, RING_TILES, RING_LOCK, RING_MERGE)
 PROFILE_SPACE = 1536
 
 
-def _check_profile_dir(profile_dir):
-    if profile_dir is not None and (not isinstance(profile_dir, str) or not profile_dir):
-        raise ValueError(f"profile_dir must be None or a directory path, got {profile_dir!r}")
-    return profile_dir
-
-
 def profile_breakdown(trace, num_ctas: int, clock_ghz: float) -> dict:
     """Per CTA of a profiled forward launch, µs: ``{region: float64[num_ctas]}`` for
     :data:`PROFILE_REGIONS` plus ``"ring_scan"`` (compute minus its tasks' tiles, lock waits and
@@ -739,13 +733,13 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
         t["delay"] = np.concatenate([d.astype(np.int32), np.zeros(1, np.int32)])
     if _use_ws(warp_specialized, geom, q, profile_dir):
         call, tabs = _ws_compute(tb, geom, t, int(ctas_per_rank), q, scale,
-                                 profile_dir=_check_profile_dir(profile_dir))
+                                 profile_dir=profile_trace.check_dir(profile_dir))
         outs = call(*tabs, q, k, v)
         return outs[0], outs[4]
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                           float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                          max(len(tb.seg), 1), profile_dir=_check_profile_dir(profile_dir))
+                          max(len(tb.seg), 1), profile_dir=profile_trace.check_dir(profile_dir))
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
 
@@ -860,7 +854,7 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     rk = transfer_launch(k, tb, geom, interpret=interpret)
     rv = transfer_launch(v, tb, geom, interpret=interpret)
     call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
-                                 profile_dir=_check_profile_dir(profile_dir),
+                                 profile_dir=profile_trace.check_dir(profile_dir),
                                  warp_specialized=warp_specialized)
     outs = call(*tabs, q, k, v, rk, rv)
     return outs[0], outs[2]

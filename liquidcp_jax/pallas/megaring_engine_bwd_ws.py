@@ -49,7 +49,6 @@ there); its lowering is checked on the CPU.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -472,10 +471,7 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
     there after each launch (:func:`profile_breakdown` reads it). ``tables``: the launch's
     :func:`ws_tables` for these claims (default: built from ``tb``, longest first)."""
     mbs._check_inputs(q, k, v, out, lse, do, tb, geom, scale, False)
-    if profile_dir is not None:
-        if not isinstance(profile_dir, (str, os.PathLike)) or not os.fspath(profile_dir):
-            raise ValueError(f"profile_dir must be None or a directory path, got {profile_dir!r}")
-        profile_dir = os.fspath(profile_dir)
+    profile_dir = profile_trace.check_dir(profile_dir)
     why = unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
     if why is not None:
         raise ValueError(f"geom / q: the three-warpgroup backward needs {why}")

@@ -30,6 +30,15 @@ def latest_trace(profile_dir: str) -> str:
     return max(paths, key=os.path.getmtime)
 
 
+def check_dir(profile_dir) -> str | None:
+    """``profile_dir`` as a ``str`` (``None`` stays ``None``); a ValueError naming it unless it
+    is ``None``, a non-empty ``str`` or an ``os.PathLike`` of one."""
+    path = os.fspath(profile_dir) if isinstance(profile_dir, (str, os.PathLike)) else None
+    if profile_dir is not None and (not isinstance(path, str) or not path):
+        raise ValueError(f"profile_dir must be None or a directory path, got {profile_dir!r}")
+    return path
+
+
 def check_clock(clock_ghz):
     if not (isinstance(clock_ghz, (int, float)) and clock_ghz > 0):
         raise ValueError(f"clock_ghz must be a number > 0, got {clock_ghz!r}")
