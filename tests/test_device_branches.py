@@ -47,6 +47,10 @@ def test_branches_run_each_version_and_restore_head(tmp_path):
     (repo / "liquidcp_jax" / "k.py").write_text(k(1, 4))   # the line main changes too
     _git(repo, "commit", "-qam", "clash")
     _git(repo, "checkout", "-q", "main")
+    _git(repo, "checkout", "-qb", "gone")
+    _git(repo, "rm", "-q", "liquidcp_jax/k.py")             # a version cannot delete files
+    _git(repo, "commit", "-qm", "gone")
+    _git(repo, "checkout", "-q", "main")
     (repo / "liquidcp_jax" / "k.py").write_text(k(1, 3))   # main moved on: line b
     _git(repo, "commit", "-qam", "main moves on")
 
@@ -71,7 +75,10 @@ def test_branches_run_each_version_and_restore_head(tmp_path):
     clash = subprocess.run(["bash", "benchmarks/prepare_branches.sh", "clash"], cwd=repo,
                            capture_output=True, text=True)
     assert clash.returncode == 1 and "do not apply onto HEAD" in clash.stderr
-    assert _git(repo, "worktree", "list").count("\n") == 1   # the scratch worktree is gone
+    gone = subprocess.run(["bash", "benchmarks/prepare_branches.sh", "gone"], cwd=repo,
+                          capture_output=True, text=True)
+    assert gone.returncode == 1 and "deletes liquidcp_jax/k.py" in gone.stderr
     bad = subprocess.run(["bash", "benchmarks/prepare_branches.sh", "nope"], cwd=repo,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "nope: not a commit" in bad.stderr
+    assert _git(repo, "worktree", "list").count("\n") == 1   # no scratch worktree left
