@@ -214,6 +214,46 @@ def summarize_trace(xplane_path, n_calls, *, plane_prefix="/device:GPU",
             "planes": seen}
 
 
+_HLO_HEAD = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+_HLO_OPNAME = re.compile(r'op_name="([^"]*)"')
+_HLO_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def hlo_scopes(compiled_text: str) -> dict[str, str]:
+    """``{instruction: scopes}`` of a compiled HLO module's text (``jit(f).lower(...).compile()
+    .as_text()``): the ``jax.named_scope`` s (comma list, ``jit(...)`` levels left out; "" for
+    code outside any) of the instruction and of everything it calls, e.g. all the ops a fusion
+    fused. A fusion's name is the kernel name a profiler trace shows, so this tells which code a
+    traced kernel runs (the glue around a launch, say)."""
+    comp, own, calls = None, {}, {}
+    members: dict[str, list[str]] = collections.defaultdict(list)
+    for line in compiled_text.splitlines():
+        h = _HLO_HEAD.match(line)
+        if h and " = " not in line:
+            comp = h.group(1)
+            continue
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        op = _HLO_OPNAME.search(line)
+        path = [p for p in (op.group(1).split("/")[:-1] if op else []) if not p.startswith("jit(")]
+        own[m.group(1)] = "/".join(path)
+        members[comp].append(m.group(1))
+        c = _HLO_CALLS.search(line)
+        if c:
+            calls[m.group(1)] = c.group(1)
+
+    def scopes(name, seen=()):
+        out = {own.get(name, "")}
+        if name in calls and calls[name] not in seen:
+            for x in members.get(calls[name], ()):
+                out |= scopes(x, seen + (calls[name],))
+        return out
+
+    return {name: ",".join(sorted(x for x in scopes(name) if x)) for name in own}
+
+
 def trace_calls(f, args, n, *, arg_sets: Sequence[tuple] | None = None, **summarize_kw):
     """Two warm-up calls, then ``n`` calls (each waited for) under the profiler; ``summarize_trace``.
     ``arg_sets``: rotate over these instead of ``args`` (as :func:`time_back_to_back` does: inputs

@@ -19,7 +19,9 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
                   padded baselines from profiler traces (span, each call waited for, inputs
                   rotated as in the timing): where a small step's wall-clock exceeds it, the
                   host's dispatch is the bound; the summary's ratios are given on both
-                  (``..._device``); ``trace_engine_cw``: ``engine_cw``'s 8 costliest kernels;
+                  (``..._device``); ``trace_engine_cw``: ``engine_cw``'s 8 costliest kernels
+                  (``--glue``: each with the named scopes of the code it runs, e.g.
+                  ``megadcp_gather_states``: ``megadcp_engine.GLUE_SCOPES``);
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;
@@ -197,7 +199,7 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
     reuses one compiled kernel per mode); a row per snapshot."""
     gname, cases, P, hq = case.name, case["snapshots"], case["P"], case["hq"]
     scale = D ** -0.5
-    rows = []
+    rows, glue = [], None   # glue: engine_cw's kernels by named scope (--glue)
     variants = [plan_variants(h, q, P, hq, G) for _, h, q, _ in cases]
     caps = {"attn": 0, "red": 0, "red_inputs": 0}
     tq = hr = 0
@@ -337,8 +339,13 @@ def measure_group(case: H.Case, a, G, bw, rate, rng) -> list[dict]:
                 if tr["span_ms"] is not None:
                     device[m] = 1e-3 * tr["span_ms"]
                 if m == "engine_cw":   # and the kernels it goes to
+                    kernels = [list(k) for k in tr["kernels"][:8]]
+                    if a.glue:   # each kernel's code: [name, calls, µs, named scopes]
+                        if glue is None:   # one compiled module per group (shared shapes)
+                            glue = H.hlo_scopes(f_m.lower(*args_m[0]).compile().as_text())
+                        kernels = [k + [glue.get(k[0], "")] for k in kernels]
                     trace = {"span_us": None if tr["span_ms"] is None else 1e3 * tr["span_ms"],
-                             "kernel_us": 1e3 * tr["kernel_ms"], "kernels": tr["kernels"][:8]}
+                             "kernel_us": 1e3 * tr["kernel_ms"], "kernels": kernels}
             except Exception as e:  # noqa: BLE001 - the trace is extra; its failure is recorded
                 if m == "engine_cw":
                     trace = {"error": H.error_text(e)}
@@ -386,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
     ap.add_argument("--mooncake", type=int, default=MOONCAKE_PER_KIND,
                     help="Mooncake snapshots per (scale, kind)")
+    ap.add_argument("--glue", action="store_true",
+                    help="name each kernel of engine_cw's trace by the code it runs (the named "
+                         "scopes of the XLA work around the launch; one extra compile per group)")
     ap.add_argument("--pack-only", action="store_true",
                     help="host only: time planning and engine-table packing on the snapshots")
     ap.add_argument("--pack-repeats", type=int, default=5,

@@ -191,3 +191,23 @@ def test_megaring_engine_efficiency_uses_the_faster_reference():
     assert rows[1]["efficiency"] == 0.5 and rows[1]["fb_efficiency"] == 0.5
     assert rows[2]["efficiency"] == round(1.5 / 4 / 1.0, 3) and "fb_efficiency" not in rows[2]
     assert "efficiency" not in rows[3]
+
+
+def test_hlo_scopes_name_a_fusion_by_the_code_it_fused():
+    """A fused kernel's scopes are those of every op it fused (its root's alone would miss the
+    gather inside), without the ``jit(...)`` levels; ops outside any scope give ""."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks import harness as H
+
+    @jax.jit
+    def f(po, idx, ok):
+        with jax.named_scope("glue_gather"):
+            o = jnp.where(ok[:, None], po[idx], 0.0)
+        return o * 2
+
+    text = f.lower(jnp.ones((64, 8)), jnp.arange(32), jnp.ones(32, bool)).compile().as_text()
+    scopes = H.hlo_scopes(text)
+    fused = [name for name in scopes if "fusion" in name]
+    assert fused and all(scopes[name] == "glue_gather" for name in fused), scopes
+    assert H.hlo_scopes("") == {}
