@@ -156,6 +156,14 @@ def profile_step(step: str, tb, tb1, geom, scale: float, num_sms: int, args, roo
     return summarize(breakdown(profile_trace.latest_trace(d), G, H.sm_clock_ghz() or 1.98))
 
 
+def print_profile(label: str, pr: dict) -> None:
+    """One line of a :func:`summarize`d profile: each region (its ``fwd_`` / ``bwd_`` /
+    ``ring_`` prefix dropped), mean / max µs per CTA."""
+    print(f"    {label}, us per CTA (mean / max): " + ", ".join(
+        f"{n.split('_', 1)[1]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
+        for n, v in pr.items() if n != "entries_per_cta"), flush=True)
+
+
 def summarize(breakdown: dict) -> dict:
     """A per-CTA profile breakdown (``{region: [num_ctas]}`` µs, ``"<region>_count"`` entries)
     as the report's row: per region the mean and max over the CTAs, and the mean entries."""
@@ -315,19 +323,14 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                         pr = profile_step(step, tbh, tbh1, gh, scale, num_sms,
                                           (flat(qc), flat(kc), flat(vc)), a.profile)
                         row["profile"] = pr
-                        print(f"    {step} profile, us per CTA (mean / max): " + ", ".join(
-                            f"{n.split('_', 1)[1]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
-                            for n, v in pr.items() if n != "entries_per_cta"), flush=True)
+                        print_profile(f"{step} profile", pr)
                     if (a.profile and not a.interpret and step in ("fused_ws", "staged_ws")
                             and a.bwd):
                         pr = profile_backward(step, tbh, gh, scale, num_sms,
                                               (flat(qc), flat(kc), flat(vc), flat(doc)),
                                               a.profile)
                         row["bwd_profile"] = pr
-                        print(f"    {step} backward profile, us per CTA (mean / max): "
-                              + ", ".join(f"{n[4:]} {v['mean_us']:.0f} / {v['max_us']:.0f}"
-                                          for n, v in pr.items() if n != "entries_per_cta"),
-                              flush=True)
+                        print_profile(f"{step} backward profile", pr)
                 except Exception as e:  # noqa: BLE001
                     row["profile_error"] = H.error_text(e)
         except Exception as e:  # noqa: BLE001 - one step's failure is a row, not the run's end

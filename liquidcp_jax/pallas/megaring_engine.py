@@ -713,6 +713,7 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     are left unwritten.
     """
     _check_forward_inputs(q, k, v, tb, geom)
+    profile_dir = profile_trace.check_dir(profile_dir)
     W = tb.comm_per_rank
     if isinstance(ctas_per_rank, bool) or int(ctas_per_rank) < max(W, 1):
         raise ValueError(f"ctas_per_rank must be an int >= comm_per_rank={W}; got {ctas_per_rank}")
@@ -733,13 +734,13 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
         t["delay"] = np.concatenate([d.astype(np.int32), np.zeros(1, np.int32)])
     if _use_ws(warp_specialized, geom, q, profile_dir):
         call, tabs = _ws_compute(tb, geom, t, int(ctas_per_rank), q, scale,
-                                 profile_dir=profile_trace.check_dir(profile_dir))
+                                 profile_dir=profile_dir)
         outs = call(*tabs, q, k, v)
         return outs[0], outs[4]
     call = _build_forward(geom.num_ranks, W, int(ctas_per_rank), geom.tiles, geom.tile_size,
                           max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                           float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
-                          max(len(tb.seg), 1), profile_dir=profile_trace.check_dir(profile_dir))
+                          max(len(tb.seg), 1), profile_dir=profile_dir)
     outs = call(*(jnp.asarray(t[name]) for name in _FWD_TABLES), q, k, v)
     return outs[0], outs[4]
 
