@@ -430,15 +430,14 @@ def _phase1_barriers(mcs):
              plgpu.Barrier(num_arrivals=2)))
 
 
-def new_states(shape: et.EngineShape, d: int):
-    """State mode's ``(chunk_o, chunk_lse, hist_o, hist_lse)`` refs (:func:`launcher`), filled
-    with ``out = 0, lse = -inf`` (no keys); ``()`` with ``final``."""
+def new_states(shape: et.EngineShape):
+    """State mode's ``(chunk_lse, hist_lse)`` refs (:func:`launcher`), filled with ``-inf`` (no
+    keys: rows no task writes keep it); ``()`` with ``final``."""
     if shape.final:
         return ()
     T = shape.tq_cap
-    return tuple(jax.new_ref(jnp.full(sh, v, jnp.float32)) for sh, v in (
-        ((T * shape.hq_pad, d), 0.0), ((T * shape.hq_pad,), -jnp.inf),
-        ((T * shape.heads_pad, d), 0.0), ((T * shape.heads_pad,), -jnp.inf)))
+    return tuple(jax.new_ref(jnp.full((T * hp,), -jnp.inf, jnp.float32))
+                 for hp in (shape.hq_pad, shape.heads_pad))
 
 
 @functools.lru_cache(maxsize=64)
@@ -449,9 +448,10 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
     bad-data handling (:func:`megadcp_engine` adds them; benchmarks time the launch alone).
     ``results``: ``(out [Tq_cap * hq_pad, D],)`` with ``final``; otherwise the states
     ``(chunk_o [Tq_cap * hq_pad, D], chunk_lse [Tq_cap * hq_pad], hist_o [Tq_cap * heads_pad,
-    D], hist_lse [...])`` (f32), which the kernel writes in place: ``states`` from
-    :func:`new_states` (made by ``run`` when None; rows no task writes, e.g. of a request
-    without history on this rank, keep the fill)."""
+    D], hist_lse [...])`` (f32) that the tasks and reductions write row by row: the LSEs in
+    place into ``states`` (:func:`new_states`, made by ``run`` when None), so that rows no task
+    writes (a request without history on this rank, rows past the queries) keep ``-inf``; their
+    ``out`` is unspecified (never filled: a merge leaves out states with ``lse = -inf``)."""
     dtype = jnp.dtype(dtype_name)
     mcs, bkv = config.max_concurrent_steps, config.block_kv
     G, final = shape.num_ctas, shape.final
@@ -460,8 +460,12 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                  config.contain_bad_data)
     part_types = (jax.ShapeDtypeStruct((A_cap, _ROWS, d), jnp.float32),
                   jax.ShapeDtypeStruct((A_cap, _ROWS), jnp.float32))
-    res_types = (jax.ShapeDtypeStruct((shape.tq_cap * shape.hq_pad, d), dtype),) if final else ()
-    n_st = 0 if final else 4   # state refs among the operands (after the inputs)
+    T = shape.tq_cap
+    if final:
+        res_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), dtype),)
+    else:   # the states' out; their LSEs are ref operands (new_states)
+        res_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), jnp.float32),
+                     jax.ShapeDtypeStruct((T * shape.heads_pad, d), jnp.float32))
     profile = {} if config.profile_dir is None or interpret else dict(
         profile_space=prof_lib.PROFILE_SPACE, profile_dir=config.profile_dir,
         profile_bounds_check=True)   # a truncated trace is reported, never corrupts SMEM
@@ -470,14 +474,17 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
               thread_name="wg", compiler_params=params(**profile))
     kw.update(interpret_params(interpret))
 
-    def split_refs(rest, n_out):
-        """``rest`` after the inputs -> (state refs or None, results' refs, parts' refs)."""
-        st_refs, outs = (tuple(rest[:n_st]) or None), rest[n_st:]
-        return st_refs, outs[:n_out], outs[n_out:]
+    def split_refs(rest):
+        """The refs after the inputs (LSE ref operands, then results and parts) -> (state refs
+        ``(chunk_o, chunk_lse, hist_o, hist_lse)`` or None, results, parts)."""
+        if final:
+            return None, rest[:1], rest[1:]
+        cl, hl, co, ho = rest[:4]
+        return (co, cl, ho, hl), rest[2:4], rest[4:]
 
     if config.fused:
         def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *rest):
-            st_refs, res_refs, (po_ref, pl_ref) = split_refs(rest, len(res_types))
+            st_refs, res_refs, (po_ref, pl_ref) = split_refs(rest)
             # The interpreter has no semaphores and runs CTAs one after another: there the fused
             # kernel runs without counters (correct only when every reduction's inputs come
             # from earlier CTAs, e.g. num_ctas=1; tests use it to check the one-launch kernel).
@@ -499,35 +506,41 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
         call = plgpu.kernel(fused_kernel, out_type=res_types + part_types, **kw)
 
         def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, states=None):
-            sts = new_states(shape, d) if states is None else states
+            sts = new_states(shape) if states is None else states
             outs = call(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, *sts)
-            res = outs[:len(res_types)] if final else tuple(r[...] for r in sts)
+            res = outs[:1] if final else (outs[0], sts[0][...], outs[1], sts[1][...])
             return res, outs[len(res_types):]
         return run
 
     def attn_kernel(attn_ref, off_ref, qc, qh, kn, vn, kh, vh, *rest):
-        st_refs, _, (po_ref, pl_ref) = split_refs(rest, 0)
+        if final:   # the output is the reduction launch's
+            st_refs, (po_ref, pl_ref) = None, rest
+        else:
+            st_refs, _, (po_ref, pl_ref) = split_refs(rest)
         pl.run_scoped(lambda bars: _attention_phase(
             cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref, st_refs),
             bars, None), _phase1_barriers(mcs), collective_axes="wg")
 
     def red_kernel(red_ref, red_in_ref, off_ref, po_ref, pl_ref, *res_refs):
-        # state mode: res_refs are the history state refs (operands), there are no outputs
+        # state mode: res_refs are the history state's refs (operands); no outputs
         pl.run_scoped(lambda in_bar: _reduction_phase(
             d, dtype, final, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
             in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
     # staged calibration mode profiles the reduction launch only (its items' merges)
-    call_a = plgpu.kernel(attn_kernel, out_type=part_types, **dict(kw, compiler_params=params()))
-    call_r = plgpu.kernel(red_kernel, out_type=res_types, **kw)
+    call_a = plgpu.kernel(attn_kernel, out_type=(() if final else res_types) + part_types,
+                          **dict(kw, compiler_params=params()))
+    call_r = plgpu.kernel(red_kernel, out_type=res_types if final else (), **kw)
 
     def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, states=None):
-        sts = new_states(shape, d) if states is None else states
-        po, pl_ = call_a(attn, off, qc, qh, kn, vn, kh, vh, *sts)
+        sts = new_states(shape) if states is None else states
+        outs = call_a(attn, off, qc, qh, kn, vn, kh, vh, *sts)
+        po, pl_ = outs[-2:]
         if final:
             return call_r(red, red_in, off, po, pl_), (po, pl_)
-        call_r(red, red_in, off, po, pl_, *sts[2:])
-        return tuple(r[...] for r in sts), (po, pl_)
+        ho = jax.new_ref(outs[1])   # the reductions write the split tiles' rows into it
+        call_r(red, red_in, off, po, pl_, ho, sts[1])
+        return (outs[0], sts[0][...], ho[...], sts[1][...]), (po, pl_)
     return run
 
 
@@ -541,7 +554,7 @@ def _pad_rows(x, rows):
 GLUE_CLEAN = "megadcp_clean_new_v"      # non-finite rows of the new V zeroed (containment)
 GLUE_INPUTS = "megadcp_kernel_inputs"   # query heads padded / packed, new KV padded
 GLUE_MARKS = "megadcp_bad_marks"        # query tokens that see a bad new V row marked NaN
-GLUE_STATES = "megadcp_states"          # P > 1: the states' fill, padded heads sliced off
+GLUE_STATES = "megadcp_states"          # P > 1: the LSEs' -inf fill, padded heads sliced off
 GLUE_SCOPES = (GLUE_CLEAN, GLUE_INPUTS, GLUE_MARKS, GLUE_STATES)
 
 
@@ -563,7 +576,8 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
     Returns:
       ``final``: ``[Tq_cap, hq, D]`` output in the input dtype (rows past the queries: garbage).
       Otherwise ``(chunk, hist)`` :class:`state.PartialState` s, ``[Tq_cap, hq]`` and
-      ``[Tq_cap, H]`` (f32; ``lse = -inf`` where a request has no history on this rank).
+      ``[Tq_cap, H]`` (f32; ``lse = -inf`` where a request has no history on this rank and
+      past the queries, ``out`` there unspecified: merges leave such states out).
       With ``return_partials``: ``(result, (part_o, part_lse))`` (the attention tasks' slots).
     """
     d = q_chunk.shape[-1]
@@ -602,7 +616,7 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
     with jax.named_scope(GLUE_INPUTS):
         inputs = kernel_inputs(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, shape, interpret)
     with jax.named_scope(GLUE_STATES):
-        states = new_states(shape, d)
+        states = new_states(shape)
     res, partials = run(*tb, *inputs, states=states)
     with jax.named_scope(GLUE_MARKS):
         tok_bad = _sees_bad_new(tables.new_lo, bad_new, T) if contain else None
@@ -662,7 +676,8 @@ def _mark(x, bad):
 
 def unpad_states(res, shape: et.EngineShape):
     """(chunk, hist) :class:`state.PartialState` s ``[Tq_cap, hq]`` / ``[Tq_cap, H]`` from the
-    launch's state arrays (rows ``token * heads_pad + head``; padded heads dropped)."""
+    launch's state arrays (rows ``token * heads_pad + head``; padded heads dropped); ``out`` is
+    unspecified where ``lse = -inf``."""
     co, cl, ho, hl = res
     T, d = shape.tq_cap, co.shape[-1]
 
