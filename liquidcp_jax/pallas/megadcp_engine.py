@@ -15,12 +15,15 @@ descriptor tables; fixed capacities, so steps of one capacity bucket reuse one c
    state (f32 out, natural-log LSE; 128 rows) to its slot of ``part_o`` / ``part_lse`` and then,
    fused, adds 1 to its reduction item's counter (one ``pl.get_global`` semaphore per item and
    64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release add);
+   with ``P > 1`` a task whose tile needs no merge (chunk tiles, history tiles of one split)
+   writes its valid rows straight into the chunk / history state instead (no slot, no XLA
+   gather after the launch);
 2. **reduction items**, after all of the CTA's attention tasks: wait until the item's counter
    reaches its input count (``semaphore_wait(value=n_in, decrement=False)``), merge the input
    partial states (TMA into SMEM, double-buffered, merged in registers) and write:
    with ``P = 1`` (``final``) the final output rows (chunk + every history split of one query
    tile: history and final reduction in one pass); with ``P > 1`` the reduced history state of a
-   split query tile (the query all-gather before the kernel and the result all-to-all plus final
+   split query tile, into its rows of the history state (the query all-gather before the kernel and the result all-to-all plus final
    merge after it stay XLA collectives, because in-kernel peer transfers cannot run on the one
    GPU we have).
 
