@@ -21,7 +21,7 @@ attention) it times, round-robin, median of rounds of back-to-back calls:
                   host's dispatch is the bound; the summary's ratios are given on both
                   (``..._device``); ``trace_engine_cw``: ``engine_cw``'s 8 costliest kernels
                   (``--glue``: each with the named scopes of the code it runs, e.g.
-                  ``megadcp_gather_states``: ``megadcp_engine.GLUE_SCOPES``);
+                  ``megadcp_states``: ``megadcp_engine.GLUE_SCOPES``);
 * ``staged_fa3``  stage-serialized on the same tiles: split-KV attention launch, then a separate
                   reduction launch (history + final merge), FA3-derived splits (the vLLM FA3
                   structure); ``staged_cw`` the same with critical-wave splits;

@@ -72,6 +72,20 @@ def test_protocol_rejects_broken_tables():
     bad = dataclasses.replace(plan, tables=plan.tables._replace(attn=attn))
     with pytest.raises(AssertionError):
         et.simulate_protocol(bad, t, 0)
+    # State mode (P > 1): unmerged tiles write their rows directly; one that also writes a
+    # split tile's rows (which its reduction writes) is caught.
+    t = build_tables([3000, 10], [16, 16], 2, 8, splits=[3, 1])
+    plan = et.pack_engine(t, 0, num_ctas=4)
+    et.simulate_protocol(plan, t, 0)
+    attn = plan.tables.attn.copy()[:plan.num_attn]
+    direct = attn[:, et.FA["out_row"]] >= 0
+    assert np.array_equal(direct, attn[:, et.FA["signal"]] < 0)   # merged xor direct
+    i = int(np.flatnonzero(direct & (attn[:, et.FA["kind"]] == 1))[0])
+    attn[i, et.FA["out_row"]] = plan.tables.red[0, et.FR["dst_row"]]
+    bad = dataclasses.replace(plan, tables=plan.tables._replace(
+        attn=np.concatenate([attn, plan.tables.attn[plan.num_attn:]])))
+    with pytest.raises(AssertionError):
+        et.simulate_protocol(bad, t, 0)
 
 
 def test_capacities_pin_one_shape():
@@ -82,7 +96,7 @@ def test_capacities_pin_one_shape():
         p = et.pack_engine(t, 0, num_ctas=8, capacities=caps, tq_cap=64, hist_rows=8192)
         shapes.add(p.shape)
         assert [x.shape for x in p.tables] == [(64, len(et.ATTN_FIELDS)), (32, len(et.RED_FIELDS)),
-                                               (64,), (2, 9), (1,), (1,), (64,)]
+                                               (64,), (2, 9), (64,)]
     assert len(shapes) == 1
 
 
@@ -162,6 +176,8 @@ INTERPRET_CASES = [
     ([0, 1, 300, 77], [16, 1, 16, 40], 1, 8, 0, 128, jnp.bfloat16, [1, 1, 3, 1]),
     ([700, 5, 300], [16, 3, 1], 2, 8, 1, 64, jnp.float16, [3, 1, 2]),
     ([1000, 130], [5, 16], 1, 6, 0, 64, jnp.bfloat16, [4, 1]),
+    # state mode, padded heads (H = 12 -> 16 rows a token), requests without history on rank 1
+    ([0, 1, 600, 77], [16, 1, 16, 40], 2, 6, 1, 128, jnp.bfloat16, [1, 1, 2, 1]),
 ]
 
 
@@ -169,7 +185,7 @@ INTERPRET_CASES = [
 def test_staged_engine_interpret_matches_float64(rng, case):
     """The staged engine (attention launch + reduction launch, no semaphores) in the Mosaic GPU
     interpreter, NaN-initialised memory, vs float64: TMA, barriers, wgmma, the ping-pong, the
-    partial-state slots and the reductions."""
+    partial-state slots, the reductions and (P > 1) the states written in place."""
     hist, ql, P, hq, rank, d, dtype, splits = INTERPRET_CASES[case]
     errs, _ = run_case(rng, hist, ql, dcp=P, hq=hq, rank=rank, d=d, dtype=dtype, splits=splits,
                        num_ctas=3, fused=False, interpret=True, poison=False)

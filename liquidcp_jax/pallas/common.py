@@ -57,12 +57,13 @@ def masked_split_loop(step, lo, full_lo, full_hi, hi, carry):
   return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
-def ladder_store(smem, gref_rows, start, size, max_rows):
+def ladder_store(smem, gref_rows, start, size, max_rows, min_rows=1):
   """Stores smem rows [start, start+size) to gref_rows(row0, n) using power-of-two TMA boxes, so
-  rows outside the range (a neighbouring segment's) are never written."""
+  rows outside the range (a neighbouring segment's) are never written; boxes of at least
+  ``min_rows`` rows (``size`` must then be a multiple of ``min_rows``)."""
   n = 1 << int(math.log2(max_rows))
   off = start
-  while n >= 1:
+  while n >= min_rows:
     nn = n
 
     @pl.when((size & nn) != 0)

@@ -15,12 +15,15 @@ descriptor tables; fixed capacities, so steps of one capacity bucket reuse one c
    state (f32 out, natural-log LSE; 128 rows) to its slot of ``part_o`` / ``part_lse`` and then,
    fused, adds 1 to its reduction item's counter (one ``pl.get_global`` semaphore per item and
    64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release add);
+   with ``P > 1`` a task whose tile needs no merge (chunk tiles, history tiles of one split)
+   writes its valid rows straight into the chunk / history state instead (no slot, no XLA
+   gather after the launch);
 2. **reduction items**, after all of the CTA's attention tasks: wait until the item's counter
    reaches its input count (``semaphore_wait(value=n_in, decrement=False)``), merge the input
    partial states (TMA into SMEM, double-buffered, merged in registers) and write:
    with ``P = 1`` (``final``) the final output rows (chunk + every history split of one query
    tile: history and final reduction in one pass); with ``P > 1`` the reduced history state of a
-   split query tile (the query all-gather before the kernel and the result all-to-all plus final
+   split query tile, into its rows of the history state (the query all-gather before the kernel and the result all-to-all plus final
    merge after it stay XLA collectives, because in-kernel peer transfers cannot run on the one
    GPU we have).
 
@@ -151,9 +154,12 @@ def check_inputs(dtype, head_dim, config: EngineConfig, final: bool):
 # ----------------------------------------------------------------------------- the kernel
 
 def _attention_phase(cx_static, refs, bars, sems):
-    """Phase 1: the CTA's attention tasks (compute warpgroups 0/1, TMA producer warpgroup 2)."""
+    """Phase 1: the CTA's attention tasks (compute warpgroups 0/1, TMA producer warpgroup 2).
+    ``state_refs``: ``(chunk_o, chunk_lse, hist_o, hist_lse)`` with ``P > 1`` (a task with
+    ``out_row >= 0`` writes its valid rows there), None with ``final``."""
     (d, dtype, mcs, bkv, scale2, hq, interpret, fused, contain) = cx_static
-    attn_ref, off_ref, qc_ref, qh_ref, kn_ref, vn_ref, kh_ref, vh_ref, po_ref, pl_ref = refs
+    (attn_ref, off_ref, qc_ref, qh_ref, kn_ref, vn_ref, kh_ref, vh_ref, po_ref, pl_ref,
+     state_refs) = refs
     q_bar, k_bar, v_bar, k_used, v_used, q_free, sched = bars
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
@@ -210,8 +216,22 @@ def _attention_phase(cx_static, refs, bars, sems):
                                           m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
                 plgpu.commit_smem()
                 slot = get("slot")
-                plgpu.copy_smem_to_gmem(o_smem, po_ref.at[slot, pl.ds(r0, _BQ)])
-                plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
+
+                def to_slot():
+                    plgpu.copy_smem_to_gmem(o_smem, po_ref.at[slot, pl.ds(r0, _BQ)])
+                    plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
+
+                if state_refs is None:
+                    to_slot()
+                else:
+                    out_row = get("out_row")
+                    pl.when(out_row < 0)(to_slot)
+
+                    @pl.when(out_row >= 0)
+                    def _():   # no merge needed: the tile's valid rows straight into the state
+                        n = jnp.clip(get("out_n") - r0, 0, _BQ)
+                        store_state_rows(o_smem, lse_smem, state_refs, get("kind"),
+                                         out_row + r0, n)
                 if sems is not None:
                     sig = get("signal")
 
@@ -377,14 +397,33 @@ def _merge_item(d, dtype, final, get, red_in_ref, po_ref, pl_ref, out_refs, smem
         n = jnp.clip(get("n_rows") - r0, 0, _BQ)
         ladder_store(st_o.at[wg], lambda off, nn: out_ref.at[pl.ds(dst + r0 + off, nn)],
                      0, n, _BQ)
-    else:
-        ro_ref, rl_ref = out_refs
+    else:   # a split history tile's reduced state, into the history state's rows
         st_o.at[wg][...] = out
         st_l.at[wg][...] = jnp.where(empty, -jnp.inf,
                                      jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_o.at[wg], ro_ref.at[dst, pl.ds(r0, _BQ)])
-        plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[dst, pl.ds(r0, _BQ)])
+        n = jnp.clip(get("n_rows") - r0, 0, _BQ)
+        store_state_rows(st_o.at[wg], st_l.at[wg], (None, None) + tuple(out_refs), 1,
+                         dst + r0, n)
+
+
+def store_state_rows(o_smem, lse_smem, state_refs, kind, row0, n):
+    """TMA-stores rows ``[0, n)`` of a warpgroup's f32 state (``o_smem [64, D]``, ``lse_smem
+    [64]``) to rows ``[row0, row0 + n)`` of the chunk (``kind`` 0) or history (1) state; ``n``
+    is a multiple of 8 (whole tokens of 8-padded heads), so the rows after it, another
+    token's, are never written."""
+    def store(o_ref, l_ref):
+        ladder_store(o_smem, lambda off, nn: o_ref.at[pl.ds(row0 + off, nn)], 0, n, _BQ)
+        # 8-row pieces at least: a TMA box is a multiple of 16 bytes
+        ladder_store(lse_smem, lambda off, nn: l_ref.at[pl.ds(row0 + off, nn)], 0, n, _BQ,
+                     min_rows=et.ROW_ALIGN)
+
+    co, cl, ho, hl = state_refs
+    if isinstance(kind, int):
+        store(*((co, cl), (ho, hl))[kind])
+        return
+    for k, refs in enumerate(((co, cl), (ho, hl))):
+        pl.when(kind == k)(lambda refs=refs: store(*refs))
 
 
 def _phase1_barriers(mcs):
@@ -394,13 +433,28 @@ def _phase1_barriers(mcs):
              plgpu.Barrier(num_arrivals=2)))
 
 
+def new_states(shape: et.EngineShape):
+    """State mode's ``(chunk_lse, hist_lse)`` refs (:func:`launcher`), filled with ``-inf`` (no
+    keys: rows no task writes keep it); ``()`` with ``final``."""
+    if shape.final:
+        return ()
+    T = shape.tq_cap
+    return tuple(jax.new_ref(jnp.full((T * hp,), -jnp.inf, jnp.float32))
+                 for hp in (shape.hq_pad, shape.heads_pad))
+
+
 @functools.lru_cache(maxsize=64)
 def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str, scale: float,
              interpret: bool = False):
-    """The engine's launch(es) for one compile key: ``run(attn, red, red_in, cta_off, *inputs)``
-    with :func:`kernel_inputs` ``-> (results, (part_o, part_lse))``; no input preparation, no
-    bad-data handling, no output gathering (:func:`megadcp_engine` adds them; benchmarks time
-    the launch alone)."""
+    """The engine's launch(es) for one compile key: ``run(attn, red, red_in, cta_off, *inputs,
+    states=None)`` with :func:`kernel_inputs` ``-> (results, (part_o, part_lse))``; no input preparation, no
+    bad-data handling (:func:`megadcp_engine` adds them; benchmarks time the launch alone).
+    ``results``: ``(out [Tq_cap * hq_pad, D],)`` with ``final``; otherwise the states
+    ``(chunk_o [Tq_cap * hq_pad, D], chunk_lse [Tq_cap * hq_pad], hist_o [Tq_cap * heads_pad,
+    D], hist_lse [...])`` (f32) that the tasks and reductions write row by row: the LSEs in
+    place into ``states`` (:func:`new_states`, made by ``run`` when None), so that rows no task
+    writes (a request without history on this rank, rows past the queries) keep ``-inf``; their
+    ``out`` is unspecified (never filled: a merge leaves out states with ``lse = -inf``)."""
     dtype = jnp.dtype(dtype_name)
     mcs, bkv = config.max_concurrent_steps, config.block_kv
     G, final = shape.num_ctas, shape.final
@@ -409,11 +463,12 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                  config.contain_bad_data)
     part_types = (jax.ShapeDtypeStruct((A_cap, _ROWS, d), jnp.float32),
                   jax.ShapeDtypeStruct((A_cap, _ROWS), jnp.float32))
+    T = shape.tq_cap
     if final:
-        res_types = (jax.ShapeDtypeStruct((shape.tq_cap * shape.hq_pad, d), dtype),)
-    else:
-        res_types = (jax.ShapeDtypeStruct((U_cap, _ROWS, d), jnp.float32),
-                     jax.ShapeDtypeStruct((U_cap, _ROWS), jnp.float32))
+        res_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), dtype),)
+    else:   # the states' out; their LSEs are ref operands (new_states)
+        res_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), jnp.float32),
+                     jax.ShapeDtypeStruct((T * shape.heads_pad, d), jnp.float32))
     profile = {} if config.profile_dir is None or interpret else dict(
         profile_space=prof_lib.PROFILE_SPACE, profile_dir=config.profile_dir,
         profile_bounds_check=True)   # a truncated trace is reported, never corrupts SMEM
@@ -422,9 +477,17 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
               thread_name="wg", compiler_params=params(**profile))
     kw.update(interpret_params(interpret))
 
+    def split_refs(rest):
+        """The refs after the inputs (LSE ref operands, then results and parts) -> (state refs
+        ``(chunk_o, chunk_lse, hist_o, hist_lse)`` or None, results, parts)."""
+        if final:
+            return None, rest[:1], rest[1:]
+        cl, hl, co, ho = rest[:4]
+        return (co, cl, ho, hl), rest[2:4], rest[4:]
+
     if config.fused:
-        def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *outs):
-            res_refs, (po_ref, pl_ref) = outs[:len(res_types)], outs[len(res_types):]
+        def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *rest):
+            st_refs, res_refs, (po_ref, pl_ref) = split_refs(rest)
             # The interpreter has no semaphores and runs CTAs one after another: there the fused
             # kernel runs without counters (correct only when every reduction's inputs come
             # from earlier CTAs, e.g. num_ctas=1; tests use it to check the one-launch kernel).
@@ -434,39 +497,53 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                 # The named regions are what the profiler records (calibration mode).
                 with jax.named_scope(prof_lib.ATTENTION):
                     _attention_phase(cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh,
-                                                 po_ref, pl_ref), bars, sems)
+                                                 po_ref, pl_ref, st_refs), bars, sems)
                 with jax.named_scope(prof_lib.REDUCTION):
                     _reduction_phase(d, dtype, final,
-                                     (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
-                                     in_bar, sems)
+                                     (red_ref, red_in_ref, off_ref, po_ref, pl_ref,
+                                      res_refs if final else st_refs[2:]), in_bar, sems)
 
             pl.run_scoped(scoped, _phase1_barriers(mcs),
                           plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
         call = plgpu.kernel(fused_kernel, out_type=res_types + part_types, **kw)
 
-        def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):
-            outs = call(attn, red, red_in, off, qc, qh, kn, vn, kh, vh)
-            return outs[:len(res_types)], outs[len(res_types):]
+        def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, states=None):
+            sts = new_states(shape) if states is None else states
+            outs = call(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, *sts)
+            res = outs[:1] if final else (outs[0], sts[0][...], outs[1], sts[1][...])
+            return res, outs[len(res_types):]
         return run
 
-    def attn_kernel(attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref):
+    def attn_kernel(attn_ref, off_ref, qc, qh, kn, vn, kh, vh, *rest):
+        if final:   # the output is the reduction launch's
+            st_refs, (po_ref, pl_ref) = None, rest
+        else:
+            st_refs, _, (po_ref, pl_ref) = split_refs(rest)
         pl.run_scoped(lambda bars: _attention_phase(
-            cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref), bars, None),
-            _phase1_barriers(mcs), collective_axes="wg")
+            cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref, st_refs),
+            bars, None), _phase1_barriers(mcs), collective_axes="wg")
 
     def red_kernel(red_ref, red_in_ref, off_ref, po_ref, pl_ref, *res_refs):
+        # state mode: res_refs are the history state's refs (operands); no outputs
         pl.run_scoped(lambda in_bar: _reduction_phase(
             d, dtype, final, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
             in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
     # staged calibration mode profiles the reduction launch only (its items' merges)
-    call_a = plgpu.kernel(attn_kernel, out_type=part_types, **dict(kw, compiler_params=params()))
-    call_r = plgpu.kernel(red_kernel, out_type=res_types, **kw)
+    call_a = plgpu.kernel(attn_kernel, out_type=(() if final else res_types) + part_types,
+                          **dict(kw, compiler_params=params()))
+    call_r = plgpu.kernel(red_kernel, out_type=res_types if final else (), **kw)
 
-    def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):
-        po, pl_ = call_a(attn, off, qc, qh, kn, vn, kh, vh)
-        return call_r(red, red_in, off, po, pl_), (po, pl_)
+    def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, states=None):
+        sts = new_states(shape) if states is None else states
+        outs = call_a(attn, off, qc, qh, kn, vn, kh, vh, *sts)
+        po, pl_ = outs[-2:]
+        if final:
+            return call_r(red, red_in, off, po, pl_), (po, pl_)
+        ho = jax.new_ref(outs[1])   # the reductions write the split tiles' rows into it
+        call_r(red, red_in, off, po, pl_, ho, sts[1])
+        return (outs[0], sts[0][...], ho[...], sts[1][...]), (po, pl_)
     return run
 
 
@@ -480,7 +557,7 @@ def _pad_rows(x, rows):
 GLUE_CLEAN = "megadcp_clean_new_v"      # non-finite rows of the new V zeroed (containment)
 GLUE_INPUTS = "megadcp_kernel_inputs"   # query heads padded / packed, new KV padded
 GLUE_MARKS = "megadcp_bad_marks"        # query tokens that see a bad new V row marked NaN
-GLUE_STATES = "megadcp_gather_states"   # P > 1: the states out of the slot buffers
+GLUE_STATES = "megadcp_states"          # P > 1: the LSEs' -inf fill, padded heads sliced off
 GLUE_SCOPES = (GLUE_CLEAN, GLUE_INPUTS, GLUE_MARKS, GLUE_STATES)
 
 
@@ -502,7 +579,8 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
     Returns:
       ``final``: ``[Tq_cap, hq, D]`` output in the input dtype (rows past the queries: garbage).
       Otherwise ``(chunk, hist)`` :class:`state.PartialState` s, ``[Tq_cap, hq]`` and
-      ``[Tq_cap, H]`` (f32; ``lse = -inf`` where a request has no history on this rank).
+      ``[Tq_cap, H]`` (f32; ``lse = -inf`` where a request has no history on this rank and
+      past the queries, ``out`` there unspecified: merges leave such states out).
       With ``return_partials``: ``(result, (part_o, part_lse))`` (the attention tasks' slots).
     """
     d = q_chunk.shape[-1]
@@ -540,7 +618,9 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
             v_new, bad_new = _clean_rows(v_new)
     with jax.named_scope(GLUE_INPUTS):
         inputs = kernel_inputs(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, shape, interpret)
-    res, partials = run(*tb, *inputs)
+    with jax.named_scope(GLUE_STATES):
+        states = new_states(shape)
+    res, partials = run(*tb, *inputs, states=states)
     with jax.named_scope(GLUE_MARKS):
         tok_bad = _sees_bad_new(tables.new_lo, bad_new, T) if contain else None
     if shape.final:
@@ -550,7 +630,7 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
                 out = _mark(out, tok_bad)
     else:
         with jax.named_scope(GLUE_STATES):
-            chunk, hist = gather_states(*partials, *res, tables, shape)
+            chunk, hist = unpad_states(res, shape)
         if tok_bad is not None:   # the LSE does not depend on V
             with jax.named_scope(GLUE_MARKS):
                 chunk = st.PartialState(_mark(chunk.out, tok_bad), chunk.lse)
@@ -593,40 +673,22 @@ def _sees_bad_new(new_lo, bad_new, T: int):
     return cnt[t + 1] - cnt[jnp.clip(jnp.asarray(new_lo), 0, T)] > 0
 
 
-def _state_rows(src, h, hp, T):
-    """``[T * h]``: the partial-state row (attention slots, then reduction slots; -1: none) of
-    each (token, head) vector, through the 8-row granule map ``src``."""
-    g = et.ROW_ALIGN
-    r = (jnp.arange(T)[:, None] * hp + jnp.arange(h)[None, :]).reshape(-1)
-    gs = jnp.asarray(src)[r // g]
-    return jnp.where(gs >= 0, gs * g + r % g, -1)
-
-
 def _mark(x, bad):
     return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), jnp.nan, x).astype(x.dtype)
 
 
-def gather_states(po, pl_, ro, rl, tables: et.EngineTables, shape: et.EngineShape):
+def unpad_states(res, shape: et.EngineShape):
     """(chunk, hist) :class:`state.PartialState` s ``[Tq_cap, hq]`` / ``[Tq_cap, H]`` from the
-    engine's slot buffers (attention slots ``po``/``pl_``, reduction slots ``ro``/``rl``) through
-    the tables' 8-row granule maps."""
-    d = po.shape[-1]
-    T, hq, H = shape.tq_cap, shape.hq, shape.heads
-    a_rows = shape.attn_cap * _ROWS
-    po, pl_ = po.reshape(-1, d), pl_.reshape(-1)
-    ro, rl = ro.reshape(-1, d), rl.reshape(-1)
+    launch's state arrays (rows ``token * heads_pad + head``; padded heads dropped); ``out`` is
+    unspecified where ``lse = -inf``."""
+    co, cl, ho, hl = res
+    T, d = shape.tq_cap, co.shape[-1]
 
-    def take(src, h, hp):
-        r = _state_rows(src, h, hp, T)
-        ok, red = r >= 0, r >= a_rows
-        rp = jnp.clip(r, 0, a_rows - 1)
-        rr = jnp.clip(r - a_rows, 0, max(ro.shape[0] - 1, 0))
-        o = jnp.where(red[:, None], ro[rr], po[rp]) if ro.shape[0] else po[rp]
-        l = jnp.where(red, rl[rr], pl_[rp]) if rl.shape[0] else pl_[rp]
-        return st.PartialState(jnp.where(ok[:, None], o, 0.0).reshape(T, h, d),
-                               jnp.where(ok, l, -jnp.inf).reshape(T, h))
+    def take(o, l, h, hp):
+        o, l = o.reshape(T, hp, d), l.reshape(T, hp)
+        return st.PartialState(o[:, :h], l[:, :h]) if hp != h else st.PartialState(o, l)
 
-    return take(tables.chunk_src, hq, shape.hq_pad), take(tables.hist_src, H, shape.heads_pad)
+    return take(co, cl, shape.hq, shape.hq_pad), take(ho, hl, shape.heads, shape.heads_pad)
 
 
 # ----------------------------------------------------------------------------- reference

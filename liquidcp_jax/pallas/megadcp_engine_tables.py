@@ -9,11 +9,13 @@ tasks, history tasks (critical-wave queue order) and per-rank KV ranges. The eng
   contiguous key range of one KV array (the step's new KV, causal; or the rank's laid-out
   history shard), writing its partial state (f32 out and natural-log LSE, 128 rows) to slot
   ``slot`` and, in the fused engine, adding 1 to counter ``signal`` (one counter per reduction
-  item and 64-row half);
+  item and 64-row half); with ``P > 1`` a task whose tile needs no merge (every chunk task, a
+  history tile of one split) writes its valid rows ``[out_row, out_row + out_n)`` straight into
+  the chunk / history state (``row = token * heads_pad + head``) instead;
 * reduction items: merge the partial states of ``n_in`` slots (``red_in[in_start:...]``) and
-  write the result: with ``final`` (``P = 1``) the output rows ``[dst_row, dst_row + n_rows)``
-  of ``out`` (chunk + every history split of one query tile); otherwise (``P > 1``) the
-  reduced history state of one split query tile to reduction slot ``dst_row``.
+  write the result rows ``[dst_row, dst_row + n_rows)``: with ``final`` (``P = 1``) of ``out``
+  (chunk + every history split of one query tile); otherwise (``P > 1``) of the history state
+  (one split query tile's reduced state).
 
 Tasks are assigned to CTAs statically (ThunderGQA-style): attention tasks in queue order to the
 least-loaded CTA (LPT over the planner's longest-first history order), then reduction items in
@@ -40,14 +42,16 @@ ATTN_FIELDS = (
     "n_tiles",  # KV tiles of block_kv keys (0: empty task, writes lse = -inf)
     "full_lo",  # tiles [full_lo, full_hi) need no mask
     "full_hi",
-    "slot",     # partial-state slot written
+    "slot",     # partial-state slot written (when out_row < 0)
     "signal",   # reduction item whose counters this task increments (-1: none)
+    "out_row",  # P > 1, unmerged tile: first state row written directly (-1: writes its slot)
+    "out_n",    # valid rows of the direct write (whole tokens of the tile)
 )
 RED_FIELDS = (
     "n_in",     # partial states merged
     "in_start", # into red_in
-    "dst_row",  # final: first output row; state: reduction slot
-    "n_rows",   # valid rows (final: rows stored)
+    "dst_row",  # first row written (final: of the output; state: of the history state)
+    "n_rows",   # valid rows stored
     "counter",  # counters 2 * counter + half reach n_in when every input is stored
 )
 FA = {n: i for i, n in enumerate(ATTN_FIELDS)}
@@ -105,11 +109,8 @@ class EngineTables(NamedTuple):
 
     ``attn [A_cap, NA]`` and ``red [U_cap, NR]`` in CTA-major order; ``red_in [I_cap]`` slots;
     ``cta_off [2, G + 1]``: CTA ``c`` runs attention rows ``cta_off[0, c] .. cta_off[0, c+1]``
-    then reduction rows ``cta_off[1, c] .. cta_off[1, c+1]``. State mode only (``P > 1``):
-    ``chunk_src [Tq_cap * hq_pad / 8]`` / ``hist_src [Tq_cap * heads_pad / 8]`` give each
-    8-row granule of the padded vector rows (``token * heads_pad + head``) its partial-state
-    rows ``(slot * 16 + granule) * 8 + [0, 8)``, where slots ``>= A_cap`` are reduction slots
-    ``slot - A_cap``; -1: none (no history). ``new_lo [Tq_cap]``: query token ``t`` sees the
+    then reduction rows ``cta_off[1, c] .. cta_off[1, c+1]``. ``new_lo [Tq_cap]``: query token
+    ``t`` sees the
     step's new KV rows ``[new_lo[t], t]`` (its request's new tokens up to itself; ``t + 1``
     past the last token: none), for the bad-data marks of the new ``V``.
     """
@@ -118,8 +119,6 @@ class EngineTables(NamedTuple):
     red: np.ndarray
     red_in: np.ndarray
     cta_off: np.ndarray
-    chunk_src: np.ndarray
-    hist_src: np.ndarray
     new_lo: np.ndarray
 
 
@@ -181,17 +180,6 @@ def _blocks(req, qs, qe, q_off, hp):
     b = k % hb
     return (owner, tok, b, (q_off[req[owner]] + tok) * hp + b * TILE_ROWS,
             np.minimum(TILE_ROWS, hp - b * TILE_ROWS))
-
-
-def _src_map(n_rows_total, rows0, n_rows, base):
-    """``[n_rows_total // 8]`` source of each 8-row granule of the padded row layout
-    (``token * heads_pad + head``): ``base * 16 + granule within the tile`` for the granules of
-    tiles ``[rows0, rows0 + n_rows)`` (tiles start and end on granules), -1 elsewhere."""
-    src = np.full(n_rows_total // ROW_ALIGN, -1, np.int64)
-    own, i = _ranges(np.asarray(n_rows, np.int64) // ROW_ALIGN)
-    src[np.asarray(rows0, np.int64)[own] // ROW_ALIGN + i] = \
-        np.asarray(base, np.int64)[own] * (TILE_ROWS // ROW_ALIGN) + i
-    return src
 
 
 def _ranges(counts):
@@ -337,6 +325,8 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
     h_keys = keys(h_req[ho], h_tok, hb)
     c_keys = keys(*c_key)
     signal = np.full(A, -1, np.int64)
+    out_row = np.full(A, -1, np.int64)   # final: every tile merges
+    out_n = np.zeros(A, np.int64)
     A_cap = bucket(max(A, int(caps.get("attn", 0))), min_capacity)
     if final:   # one group per chunk tile: the chunk slot, then its history splits (queue order)
         c_ord = np.argsort(c_keys, kind="stable")
@@ -350,9 +340,7 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
         m_slot = np.arange(A)
         m_grp = signal.copy()
         g_dst, g_n = c_row, c_n
-        chunk_src = np.full(1, -1, np.int64)
-        hist_src = np.full(1, -1, np.int64)
-    else:       # one group per split history tile; unsplit tiles are read from their slot
+    else:       # one group per split history tile; the other tiles write their rows directly
         uk, inv, cnt = np.unique(h_keys, return_inverse=True, return_counts=True)
         split = cnt >= 2
         gnum = np.cumsum(split) - 1
@@ -364,10 +352,11 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
         m_grp = h_sig[keep]
         first = np.full(U, -1, np.int64)
         first[m_grp[::-1]] = m_slot[::-1] - n_c   # first member of each group
-        g_dst, g_n = np.arange(U), h_n[first] if U else np.zeros(0, np.int64)
-        chunk_src = _src_map(tq_cap * hqp, c_row, c_n, np.arange(n_c))
-        base = np.where(keep, A_cap + h_sig, n_c + np.arange(n_h))
-        hist_src = _src_map(tq_cap * Hp, h_row, h_n, base)
+        g_dst = h_row[first] if U else np.zeros(0, np.int64)
+        g_n = h_n[first] if U else np.zeros(0, np.int64)
+        out_row[:n_c], out_n[:n_c] = c_row, c_n
+        out_row[n_c:] = np.where(keep, -1, h_row)
+        out_n[n_c:] = np.where(keep, 0, h_n)
     m_ord = np.argsort(m_grp, kind="stable")
     m_slot, m_grp = m_slot[m_ord], m_grp[m_ord]
     g_cnt = np.bincount(m_grp, minlength=U).astype(np.int64)
@@ -394,10 +383,13 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
     I_cap = bucket(max(n_in_total, int(caps.get("red_inputs", 0))), min_capacity)
     attn = np.zeros((A_cap, len(ATTN_FIELDS)), np.int32)
     attn[:, FA["signal"]] = -1
-    for k in ATTN_FIELDS[:-2]:
+    attn[:, FA["out_row"]] = -1
+    for k in cols:
         attn[:A, FA[k]] = cols[k][a_perm]
     attn[:A, FA["slot"]] = slot[a_perm]
     attn[:A, FA["signal"]] = signal[a_perm]
+    attn[:A, FA["out_row"]] = out_row[a_perm]
+    attn[:A, FA["out_n"]] = out_n[a_perm]
     red = np.zeros((U_cap, len(RED_FIELDS)), np.int32)
     red_in = np.zeros(I_cap, np.int32)
     cnt_seq = g_cnt[red_seq]
@@ -417,8 +409,7 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
                         hist_rows=hist_rows, new_rows=new_rows)
     new_lo = np.arange(1, tq_cap + 1, dtype=np.int64)
     new_lo[:n_q] = np.repeat(q_off, qlen)
-    tables = EngineTables(attn, red, red_in, cta_off, chunk_src.astype(np.int32),
-                          hist_src.astype(np.int32), new_lo.astype(np.int32))
+    tables = EngineTables(attn, red, red_in, cta_off, new_lo.astype(np.int32))
     return EnginePlan(shape, tables, A, U, est_busy)
 
 
@@ -534,6 +525,7 @@ def _check_coverage(plan: EnginePlan, t, rank: int):
 
     if s.final:
         # Output row (token, head) of request req: chunk keys causal + all history keys.
+        assert all(r[FA["out_row"]] < 0 for r in at.values()), "final: a task skips the merge"
         rd = tb.red[:plan.num_red].astype(np.int64)
         seen = np.zeros(s.tq_cap * hqp, np.int64)
         for r in rd:
@@ -556,29 +548,39 @@ def _check_coverage(plan: EnginePlan, t, rank: int):
         assert np.array_equal(seen[:n], np.ones(n)), \
             "an output row is written by zero or several reductions"
         return
-    # State mode: every chunk / history vector's source slot covers its keys exactly once.
+    # State mode: every state row is written at most once (by a task's direct write or by a
+    # reduction item), and every vector's writer covers its keys exactly once; a history vector
+    # of a request without history on the rank may stay unwritten (the state's fill value).
     rd = tb.red[:plan.num_red].astype(np.int64)
-    red_ins = {int(r[FR["dst_row"]]): tb.red_in[r[FR["in_start"]]:r[FR["in_start"]] + r[FR["n_in"]]]
-               for r in rd}
-    A_cap = s.attn_cap
-    for kind, src, heads, hp in ((0, tb.chunk_src, hq, hqp), (1, tb.hist_src, H, Hp)):
+    writers = {0: {}, 1: {}}   # kind -> {row: (slots, row within the slots' tiles)}
+    for r in at.values():
+        if r[FA["out_row"]] >= 0:
+            assert r[FA["signal"]] < 0, "a directly written task also signals a reduction"
+            for i in range(r[FA["out_n"]]):
+                row = r[FA["out_row"]] + i
+                assert row not in writers[r[FA["kind"]]], f"state row {row} written twice"
+                writers[r[FA["kind"]]][row] = ([int(r[FA["slot"]])], i)
+    for r in rd:
+        ins = tb.red_in[r[FR["in_start"]]:r[FR["in_start"]] + r[FR["n_in"]]].tolist()
+        for i in range(r[FR["n_rows"]]):
+            row = r[FR["dst_row"]] + i
+            assert row not in writers[1], f"history state row {row} written twice"
+            writers[1][row] = (ins, i)
+    for kind, heads, hp in ((0, hq, hqp), (1, H, Hp)):
         for req in range(S):
             for tok in range(qlen[req]):
                 for hd in range(heads):
                     row = (q_off[req] + tok) * hp + hd   # the vector's row in the padded layout
-                    g = int(src[row // ROW_ALIGN])
-                    v = -1 if g < 0 else g * ROW_ALIGN + row % ROW_ALIGN
-                    if kind == 1 and local[req] == 0:
-                        assert v == -1, "history vector of an empty history has a source"
+                    if row not in writers[kind]:
+                        assert kind == 1 and local[req] == 0, \
+                            f"vector {row} of kind {kind} is never written"
                         continue
-                    assert v >= 0, f"vector {row} of kind {kind} has no source"
-                    slot, i = divmod(v, TILE_ROWS)
-                    slots = red_ins[slot - A_cap].tolist() if slot >= A_cap else [slot]
+                    slots, i = writers[kind][row]
+                    for sl in slots:
+                        assert at[sl][FA["q_row"]] + i == row, "tile row is not the vector's row"
+                        assert at[sl][FA["kind"]] == kind
                     got = [_task_keys(i, at[sl][FA["kind"]], *at[sl][[FA["kv_base"], FA["kv_lo"],
                                       FA["kv_hi"], FA["diag"], FA["n_tiles"]]], hqp) for sl in slots]
-                    for sl in slots:
-                        assert at[sl][FA["q_row"]] + i == row, "slot row is not the vector's row"
-                        assert at[sl][FA["kind"]] == kind
                     got = np.sort(np.concatenate(got))
                     assert np.array_equal(got, expect(req, tok, kind)), \
                         f"vector {row} of kind {kind}: keys not covered exactly once"
