@@ -1,5 +1,6 @@
 """megadcp_attention with the GPU engine: backend selection, errors, the plan's engine tables,
-and (on the CPU, through the Mosaic GPU interpreter) the P = 1 one-launch path vs float64."""
+and (on the CPU, through the Mosaic GPU interpreter) the P = 1 one-launch path and P = 2 rank
+states merged as the exchange does, vs float64."""
 import numpy as np
 import pytest
 import jax
@@ -95,6 +96,47 @@ def test_one_launch_path_interpret_matches_float64(rng):
     assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
     assert rel_error(out, ref) < 2e-2
     assert rel_error(out, md.megadcp_attention(*args, plan, backend="xla")) < 2e-2
+
+
+def test_two_rank_states_merge_like_the_exchange(rng):
+    """P = 2, each rank's engine in the interpreter (it cannot run two ranks' kernels under one
+    shard_map): the states the kernel writes (``out`` unwritten, NaN in the interpreter, where a
+    request has no history on the rank: 0 and 1 history tokens here), packed and unpacked as the
+    all-to-all carries them and merged as ``megadcp_combine`` does, vs float64."""
+    from liquidcp_jax import state as st
+    from liquidcp_jax.megadcp.tables import build_descriptor_tables
+    from liquidcp_jax.pallas import megadcp_engine_tables as et
+    hist, ql, P, hq, D = [300, 0, 1, 700], [16, 3, 5, 20], 2, 4, 64
+    nq = sum(ql)
+    t = build_descriptor_tables(hist, ql, P, hq)
+    q, kn, vn, kh, vh = _inputs(rng, hist, ql, P * hq, D)
+    states = []
+    for rank in range(P):
+        plan = et.pack_engine(t, rank, num_ctas=2)
+        s = plan.shape
+        pad = lambda x: jnp.pad(x, ((0, s.tq_cap - nq),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+        src = et.shard_rows(hist, P, rank, s.hist_rows)
+        ks, vs = (jnp.where(jnp.asarray(src)[:, None] >= 0, x[:, 0][np.maximum(src, 0)], 0)
+                  for x in (kh, vh))
+        qa = pad(q)
+        states.append(eng.megadcp_engine(qa[:, rank * hq:(rank + 1) * hq], qa, pad(kn), pad(vn),
+                                         ks, vs, plan.tables, s, scale=D ** -0.5,
+                                         config=eng.EngineConfig(num_ctas=2, fused=False),
+                                         interpret=True))
+    no_hist = np.repeat(np.asarray(hist) < P, ql)   # rank 1 holds no history of these tokens
+    assert np.isinf(np.asarray(states[1][1].lse)[:nq][no_hist]).all()
+    assert np.isnan(np.asarray(states[1][1].out)[:nq][no_hist]).any()   # unwritten: the merge skips
+    outs = []
+    for rank, (chunk, _) in enumerate(states):
+        heads = slice(rank * hq, (rank + 1) * hq)
+        rs = [xla_dcp.unpack_state(xla_dcp.pack_state(h.out[:, heads], h.lse[:, heads],
+                                                      jnp.bfloat16), D) for _, h in states]
+        outs.append(st.merge_stacked(jnp.stack([chunk.out] + [r.out for r in rs]),
+                                     jnp.stack([chunk.lse] + [r.lse for r in rs])).out[:nq])
+    out = jnp.concatenate(outs, axis=1)
+    ref, _ = decode_reference(*(np.asarray(x, np.float64) for x in (q, kn, vn, kh, vh)), hist, ql)
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_error(out, ref) < 2e-2
 
 
 def test_two_steps_one_bucket_one_program(rng):
