@@ -84,7 +84,21 @@ def test_protocol_rejects_broken_tables():
     attn[i, et.FA["out_row"]] = plan.tables.red[0, et.FR["dst_row"]]
     bad = dataclasses.replace(plan, tables=plan.tables._replace(
         attn=np.concatenate([attn, plan.tables.attn[plan.num_attn:]])))
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="written twice"):
+        et.simulate_protocol(bad, t, 0)
+    # A direct write one token longer: it leaves its tile for the next token's rows or past
+    # the queries.
+    attn = plan.tables.attn.copy()
+    attn[i, et.FA["out_n"]] += plan.shape.heads_pad
+    bad = dataclasses.replace(plan, tables=plan.tables._replace(attn=attn))
+    with pytest.raises(AssertionError, match="written twice|leaves the queries"):
+        et.simulate_protocol(bad, t, 0)
+    # An LSE source pointing at another slot.
+    hs = plan.tables.hist_src.copy()
+    g = int(np.flatnonzero(hs >= 0)[0])
+    hs[g] += et.TILE_ROWS // et.ROW_ALIGN
+    bad = dataclasses.replace(plan, tables=plan.tables._replace(hist_src=hs))
+    with pytest.raises(AssertionError, match="LSE source"):
         et.simulate_protocol(bad, t, 0)
 
 
@@ -96,7 +110,7 @@ def test_capacities_pin_one_shape():
         p = et.pack_engine(t, 0, num_ctas=8, capacities=caps, tq_cap=64, hist_rows=8192)
         shapes.add(p.shape)
         assert [x.shape for x in p.tables] == [(64, len(et.ATTN_FIELDS)), (32, len(et.RED_FIELDS)),
-                                               (64,), (2, 9), (64,)]
+                                               (64,), (2, 9), (1,), (1,), (64,)]
     assert len(shapes) == 1
 
 
@@ -273,7 +287,7 @@ def test_fused_engine_gives_registers_back_before_the_reduction(monkeypatch):
     assert regs(attn) == [("inc", "232"), ("dec", "40")] and regs(red) == []
 
 
-@pytest.mark.parametrize("final", [True])
+@pytest.mark.parametrize("final", [True, False])
 def test_fused_engine_interpret_one_cta(rng, final):
     """The fused one-launch kernel (attention phase, then the reduction phase in a second SMEM
     scope of the same kernel) in the interpreter with one CTA. The interpreter has no

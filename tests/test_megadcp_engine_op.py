@@ -108,11 +108,12 @@ def test_two_rank_states_merge_like_the_exchange(rng):
     from liquidcp_jax.pallas import megadcp_engine_tables as et
     hist, ql, P, hq, D = [300, 0, 1, 700], [16, 3, 5, 20], 2, 4, 64
     nq = sum(ql)
-    t = build_descriptor_tables(hist, ql, P, hq)
+    t = build_descriptor_tables(hist, ql, P, hq, splits=[1, 1, 1, 3])   # a reduction per rank
     q, kn, vn, kh, vh = _inputs(rng, hist, ql, P * hq, D)
     states = []
     for rank in range(P):
         plan = et.pack_engine(t, rank, num_ctas=2)
+        assert plan.num_red > 0
         s = plan.shape
         pad = lambda x: jnp.pad(x, ((0, s.tq_cap - nq),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
         src = et.shard_rows(hist, P, rank, s.hist_rows)

@@ -57,13 +57,12 @@ def masked_split_loop(step, lo, full_lo, full_hi, hi, carry):
   return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
-def ladder_store(smem, gref_rows, start, size, max_rows, min_rows=1):
+def ladder_store(smem, gref_rows, start, size, max_rows):
   """Stores smem rows [start, start+size) to gref_rows(row0, n) using power-of-two TMA boxes, so
-  rows outside the range (a neighbouring segment's) are never written; boxes of at least
-  ``min_rows`` rows (``size`` must then be a multiple of ``min_rows``)."""
+  rows outside the range (a neighbouring segment's) are never written."""
   n = 1 << int(math.log2(max_rows))
   off = start
-  while n >= min_rows:
+  while n >= 1:
     nn = n
 
     @pl.when((size & nn) != 0)

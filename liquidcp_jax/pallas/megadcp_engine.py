@@ -16,14 +16,15 @@ descriptor tables; fixed capacities, so steps of one capacity bucket reuse one c
    fused, adds 1 to its reduction item's counter (one ``pl.get_global`` semaphore per item and
    64-row half, after the TMA stores completed: ``wait_smem_to_gmem(0)``, then a release add);
    with ``P > 1`` a task whose tile needs no merge (chunk tiles, history tiles of one split)
-   writes its valid rows straight into the chunk / history state instead (no slot, no XLA
-   gather after the launch);
+   writes its valid ``out`` rows straight into the chunk / history state instead (its LSE still
+   to the slot: 64-float TMA boxes; XLA gathers only the LSEs after the launch);
 2. **reduction items**, after all of the CTA's attention tasks: wait until the item's counter
    reaches its input count (``semaphore_wait(value=n_in, decrement=False)``), merge the input
    partial states (TMA into SMEM, double-buffered, merged in registers) and write:
    with ``P = 1`` (``final``) the final output rows (chunk + every history split of one query
    tile: history and final reduction in one pass); with ``P > 1`` the reduced history state of a
-   split query tile, into its rows of the history state (the query all-gather before the kernel and the result all-to-all plus final
+   split query tile, ``out`` into its rows of the history state, the LSE to a reduction slot
+   (the query all-gather before the kernel and the result all-to-all plus final
    merge after it stay XLA collectives, because in-kernel peer transfers cannot run on the one
    GPU we have).
 
@@ -155,11 +156,11 @@ def check_inputs(dtype, head_dim, config: EngineConfig, final: bool):
 
 def _attention_phase(cx_static, refs, bars, sems):
     """Phase 1: the CTA's attention tasks (compute warpgroups 0/1, TMA producer warpgroup 2).
-    ``state_refs``: ``(chunk_o, chunk_lse, hist_o, hist_lse)`` with ``P > 1`` (a task with
-    ``out_row >= 0`` writes its valid rows there), None with ``final``."""
+    ``out_refs``: the states' ``(chunk_o, hist_o)`` with ``P > 1`` (a task with ``out_row >= 0``
+    writes its valid ``out`` rows there instead of its slot), None with ``final``."""
     (d, dtype, mcs, bkv, scale2, hq, interpret, fused, contain) = cx_static
     (attn_ref, off_ref, qc_ref, qh_ref, kn_ref, vn_ref, kh_ref, vh_ref, po_ref, pl_ref,
-     state_refs) = refs
+     out_refs) = refs
     q_bar, k_bar, v_bar, k_used, v_used, q_free, sched = bars
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
@@ -217,21 +218,21 @@ def _attention_phase(cx_static, refs, bars, sems):
                 plgpu.commit_smem()
                 slot = get("slot")
 
-                def to_slot():
-                    plgpu.copy_smem_to_gmem(o_smem, po_ref.at[slot, pl.ds(r0, _BQ)])
-                    plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
+                plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
 
-                if state_refs is None:
-                    to_slot()
+                def o_to_slot():
+                    plgpu.copy_smem_to_gmem(o_smem, po_ref.at[slot, pl.ds(r0, _BQ)])
+
+                if out_refs is None:
+                    o_to_slot()
                 else:
                     out_row = get("out_row")
-                    pl.when(out_row < 0)(to_slot)
+                    pl.when(out_row < 0)(o_to_slot)
 
                     @pl.when(out_row >= 0)
                     def _():   # no merge needed: the tile's valid rows straight into the state
                         n = jnp.clip(get("out_n") - r0, 0, _BQ)
-                        store_state_rows(o_smem, lse_smem, state_refs, get("kind"),
-                                         out_row + r0, n)
+                        store_out_rows(o_smem, out_refs, get("kind"), out_row + r0, n)
                 if sems is not None:
                     sig = get("signal")
 
@@ -397,33 +398,30 @@ def _merge_item(d, dtype, final, get, red_in_ref, po_ref, pl_ref, out_refs, smem
         n = jnp.clip(get("n_rows") - r0, 0, _BQ)
         ladder_store(st_o.at[wg], lambda off, nn: out_ref.at[pl.ds(dst + r0 + off, nn)],
                      0, n, _BQ)
-    else:   # a split history tile's reduced state, into the history state's rows
+    else:   # a split history tile's reduced state: out into its rows, LSE to its slot
+        ho_ref, rl_ref = out_refs
         st_o.at[wg][...] = out
         st_l.at[wg][...] = jnp.where(empty, -jnp.inf,
                                      jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
         plgpu.commit_smem()
         n = jnp.clip(get("n_rows") - r0, 0, _BQ)
-        store_state_rows(st_o.at[wg], st_l.at[wg], (None, None) + tuple(out_refs), 1,
-                         dst + r0, n)
+        store_out_rows(st_o.at[wg], (None, ho_ref), 1, dst + r0, n)
+        plgpu.copy_smem_to_gmem(st_l.at[wg], rl_ref.at[get("counter"), pl.ds(r0, _BQ)])
 
 
-def store_state_rows(o_smem, lse_smem, state_refs, kind, row0, n):
-    """TMA-stores rows ``[0, n)`` of a warpgroup's f32 state (``o_smem [64, D]``, ``lse_smem
-    [64]``) to rows ``[row0, row0 + n)`` of the chunk (``kind`` 0) or history (1) state; ``n``
-    is a multiple of 8 (whole tokens of 8-padded heads), so the rows after it, another
-    token's, are never written."""
-    def store(o_ref, l_ref):
+def store_out_rows(o_smem, out_refs, kind, row0, n):
+    """TMA-stores rows ``[0, n)`` of a warpgroup's f32 ``o_smem [64, D]`` to rows ``[row0, row0
+    + n)`` of the chunk (``kind`` 0) or history (1) state's ``out`` (``out_refs``); the rows
+    after ``n`` (another token's) are never written. (The LSE goes to a slot in whole 64-row
+    boxes: a ladder's 1-D pieces would start at SMEM offsets TMA may not take.)"""
+    def store(o_ref):
         ladder_store(o_smem, lambda off, nn: o_ref.at[pl.ds(row0 + off, nn)], 0, n, _BQ)
-        # 8-row pieces at least: a TMA box is a multiple of 16 bytes
-        ladder_store(lse_smem, lambda off, nn: l_ref.at[pl.ds(row0 + off, nn)], 0, n, _BQ,
-                     min_rows=et.ROW_ALIGN)
 
-    co, cl, ho, hl = state_refs
     if isinstance(kind, int):
-        store(*((co, cl), (ho, hl))[kind])
+        store(out_refs[kind])
         return
-    for k, refs in enumerate(((co, cl), (ho, hl))):
-        pl.when(kind == k)(lambda refs=refs: store(*refs))
+    for k, o_ref in enumerate(out_refs):
+        pl.when(kind == k)(lambda o_ref=o_ref: store(o_ref))
 
 
 def _phase1_barriers(mcs):
@@ -433,28 +431,16 @@ def _phase1_barriers(mcs):
              plgpu.Barrier(num_arrivals=2)))
 
 
-def new_states(shape: et.EngineShape):
-    """State mode's ``(chunk_lse, hist_lse)`` refs (:func:`launcher`), filled with ``-inf`` (no
-    keys: rows no task writes keep it); ``()`` with ``final``."""
-    if shape.final:
-        return ()
-    T = shape.tq_cap
-    return tuple(jax.new_ref(jnp.full((T * hp,), -jnp.inf, jnp.float32))
-                 for hp in (shape.hq_pad, shape.heads_pad))
-
-
 @functools.lru_cache(maxsize=64)
 def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: str, scale: float,
              interpret: bool = False):
-    """The engine's launch(es) for one compile key: ``run(attn, red, red_in, cta_off, *inputs,
-    states=None)`` with :func:`kernel_inputs` ``-> (results, (part_o, part_lse))``; no input preparation, no
+    """The engine's launch(es) for one compile key: ``run(attn, red, red_in, cta_off, *inputs)``
+    with :func:`kernel_inputs` ``-> (results, (part_o, part_lse))``; no input preparation, no
     bad-data handling (:func:`megadcp_engine` adds them; benchmarks time the launch alone).
-    ``results``: ``(out [Tq_cap * hq_pad, D],)`` with ``final``; otherwise the states
-    ``(chunk_o [Tq_cap * hq_pad, D], chunk_lse [Tq_cap * hq_pad], hist_o [Tq_cap * heads_pad,
-    D], hist_lse [...])`` (f32) that the tasks and reductions write row by row: the LSEs in
-    place into ``states`` (:func:`new_states`, made by ``run`` when None), so that rows no task
-    writes (a request without history on this rank, rows past the queries) keep ``-inf``; their
-    ``out`` is unspecified (never filled: a merge leaves out states with ``lse = -inf``)."""
+    ``results``: ``(out [Tq_cap * hq_pad, D],)`` with ``final``; otherwise ``(chunk_o [Tq_cap *
+    hq_pad, D], hist_o [Tq_cap * heads_pad, D], red_lse [U_cap, 128])`` (f32): the states'
+    ``out`` rows, written by the tasks and reductions (rows no task writes are unspecified), and
+    the reductions' LSE slots (the tasks' LSEs are in ``part_lse``; :func:`gather_lse`)."""
     dtype = jnp.dtype(dtype_name)
     mcs, bkv = config.max_concurrent_steps, config.block_kv
     G, final = shape.num_ctas, shape.final
@@ -465,10 +451,11 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                   jax.ShapeDtypeStruct((A_cap, _ROWS), jnp.float32))
     T = shape.tq_cap
     if final:
-        res_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), dtype),)
-    else:   # the states' out; their LSEs are ref operands (new_states)
-        res_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), jnp.float32),
+        out_types, rl_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), dtype),), ()
+    else:
+        out_types = (jax.ShapeDtypeStruct((T * shape.hq_pad, d), jnp.float32),
                      jax.ShapeDtypeStruct((T * shape.heads_pad, d), jnp.float32))
+        rl_types = (jax.ShapeDtypeStruct((U_cap, _ROWS), jnp.float32),)
     profile = {} if config.profile_dir is None or interpret else dict(
         profile_space=prof_lib.PROFILE_SPACE, profile_dir=config.profile_dir,
         profile_bounds_check=True)   # a truncated trace is reported, never corrupts SMEM
@@ -477,17 +464,10 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
               thread_name="wg", compiler_params=params(**profile))
     kw.update(interpret_params(interpret))
 
-    def split_refs(rest):
-        """The refs after the inputs (LSE ref operands, then results and parts) -> (state refs
-        ``(chunk_o, chunk_lse, hist_o, hist_lse)`` or None, results, parts)."""
-        if final:
-            return None, rest[:1], rest[1:]
-        cl, hl, co, ho = rest[:4]
-        return (co, cl, ho, hl), rest[2:4], rest[4:]
-
     if config.fused:
-        def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *rest):
-            st_refs, res_refs, (po_ref, pl_ref) = split_refs(rest)
+        def fused_kernel(attn_ref, red_ref, red_in_ref, off_ref, qc, qh, kn, vn, kh, vh, *outs):
+            n_res = len(out_types) + len(rl_types)
+            res_refs, (po_ref, pl_ref) = outs[:n_res], outs[n_res:]
             # The interpreter has no semaphores and runs CTAs one after another: there the fused
             # kernel runs without counters (correct only when every reduction's inputs come
             # from earlier CTAs, e.g. num_ctas=1; tests use it to check the one-launch kernel).
@@ -497,53 +477,49 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
                 # The named regions are what the profiler records (calibration mode).
                 with jax.named_scope(prof_lib.ATTENTION):
                     _attention_phase(cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh,
-                                                 po_ref, pl_ref, st_refs), bars, sems)
-                with jax.named_scope(prof_lib.REDUCTION):
+                                                 po_ref, pl_ref, None if final else res_refs[:2]),
+                                     bars, sems)
+                with jax.named_scope(prof_lib.REDUCTION):   # final: out; else: hist_o, red_lse
                     _reduction_phase(d, dtype, final,
                                      (red_ref, red_in_ref, off_ref, po_ref, pl_ref,
-                                      res_refs if final else st_refs[2:]), in_bar, sems)
+                                      res_refs if final else res_refs[1:]), in_bar, sems)
 
             pl.run_scoped(scoped, _phase1_barriers(mcs),
                           plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
-        call = plgpu.kernel(fused_kernel, out_type=res_types + part_types, **kw)
+        call = plgpu.kernel(fused_kernel, out_type=out_types + rl_types + part_types, **kw)
 
-        def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, states=None):
-            sts = new_states(shape) if states is None else states
-            outs = call(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, *sts)
-            res = outs[:1] if final else (outs[0], sts[0][...], outs[1], sts[1][...])
-            return res, outs[len(res_types):]
+        def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):
+            outs = call(attn, red, red_in, off, qc, qh, kn, vn, kh, vh)
+            return outs[:-2], outs[-2:]
         return run
 
-    def attn_kernel(attn_ref, off_ref, qc, qh, kn, vn, kh, vh, *rest):
-        if final:   # the output is the reduction launch's
-            st_refs, (po_ref, pl_ref) = None, rest
-        else:
-            st_refs, _, (po_ref, pl_ref) = split_refs(rest)
+    def attn_kernel(attn_ref, off_ref, qc, qh, kn, vn, kh, vh, *outs):
+        out_refs = None if final else outs[:2]   # final: the output is the reduction launch's
+        po_ref, pl_ref = outs[-2:]
         pl.run_scoped(lambda bars: _attention_phase(
-            cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref, st_refs),
+            cx_static, (attn_ref, off_ref, qc, qh, kn, vn, kh, vh, po_ref, pl_ref, out_refs),
             bars, None), _phase1_barriers(mcs), collective_axes="wg")
 
     def red_kernel(red_ref, red_in_ref, off_ref, po_ref, pl_ref, *res_refs):
-        # state mode: res_refs are the history state's refs (operands); no outputs
+        # state mode: res_refs = (hist_o: a ref operand, red_lse: the output)
         pl.run_scoped(lambda in_bar: _reduction_phase(
             d, dtype, final, (red_ref, red_in_ref, off_ref, po_ref, pl_ref, res_refs),
             in_bar, None), plgpu.Barrier(num_arrivals=2, num_barriers=4), collective_axes="wg")
 
     # staged calibration mode profiles the reduction launch only (its items' merges)
-    call_a = plgpu.kernel(attn_kernel, out_type=(() if final else res_types) + part_types,
+    call_a = plgpu.kernel(attn_kernel, out_type=(() if final else out_types) + part_types,
                           **dict(kw, compiler_params=params()))
-    call_r = plgpu.kernel(red_kernel, out_type=res_types if final else (), **kw)
+    call_r = plgpu.kernel(red_kernel, out_type=out_types if final else rl_types, **kw)
 
-    def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh, states=None):
-        sts = new_states(shape) if states is None else states
-        outs = call_a(attn, off, qc, qh, kn, vn, kh, vh, *sts)
+    def run(attn, red, red_in, off, qc, qh, kn, vn, kh, vh):
+        outs = call_a(attn, off, qc, qh, kn, vn, kh, vh)
         po, pl_ = outs[-2:]
         if final:
             return call_r(red, red_in, off, po, pl_), (po, pl_)
         ho = jax.new_ref(outs[1])   # the reductions write the split tiles' rows into it
-        call_r(red, red_in, off, po, pl_, ho, sts[1])
-        return (outs[0], sts[0][...], ho[...], sts[1][...]), (po, pl_)
+        rl = call_r(red, red_in, off, po, pl_, ho)
+        return (outs[0], ho[...]) + tuple(rl), (po, pl_)
     return run
 
 
@@ -557,7 +533,7 @@ def _pad_rows(x, rows):
 GLUE_CLEAN = "megadcp_clean_new_v"      # non-finite rows of the new V zeroed (containment)
 GLUE_INPUTS = "megadcp_kernel_inputs"   # query heads padded / packed, new KV padded
 GLUE_MARKS = "megadcp_bad_marks"        # query tokens that see a bad new V row marked NaN
-GLUE_STATES = "megadcp_states"          # P > 1: the LSEs' -inf fill, padded heads sliced off
+GLUE_STATES = "megadcp_states"          # P > 1: the LSEs out of their slots, padded heads off
 GLUE_SCOPES = (GLUE_CLEAN, GLUE_INPUTS, GLUE_MARKS, GLUE_STATES)
 
 
@@ -581,7 +557,8 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
       Otherwise ``(chunk, hist)`` :class:`state.PartialState` s, ``[Tq_cap, hq]`` and
       ``[Tq_cap, H]`` (f32; ``lse = -inf`` where a request has no history on this rank and
       past the queries, ``out`` there unspecified: merges leave such states out).
-      With ``return_partials``: ``(result, (part_o, part_lse))`` (the attention tasks' slots).
+      With ``return_partials``: ``(result, (part_o, part_lse))`` (the attention tasks' slots;
+      with ``P > 1`` the ``out`` slots of directly written tasks stay unwritten).
     """
     d = q_chunk.shape[-1]
     check_inputs(q_chunk.dtype, d, config, shape.final)
@@ -618,9 +595,7 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
             v_new, bad_new = _clean_rows(v_new)
     with jax.named_scope(GLUE_INPUTS):
         inputs = kernel_inputs(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, shape, interpret)
-    with jax.named_scope(GLUE_STATES):
-        states = new_states(shape)
-    res, partials = run(*tb, *inputs, states=states)
+    res, partials = run(*tb, *inputs)
     with jax.named_scope(GLUE_MARKS):
         tok_bad = _sees_bad_new(tables.new_lo, bad_new, T) if contain else None
     if shape.final:
@@ -630,7 +605,7 @@ def megadcp_engine(q_chunk, q_hist, k_new, v_new, k_hist, v_hist, tables: et.Eng
                 out = _mark(out, tok_bad)
     else:
         with jax.named_scope(GLUE_STATES):
-            chunk, hist = unpad_states(res, shape)
+            chunk, hist = states(res, partials[1], tables, shape)
         if tok_bad is not None:   # the LSE does not depend on V
             with jax.named_scope(GLUE_MARKS):
                 chunk = st.PartialState(_mark(chunk.out, tok_bad), chunk.lse)
@@ -677,18 +652,32 @@ def _mark(x, bad):
     return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), jnp.nan, x).astype(x.dtype)
 
 
-def unpad_states(res, shape: et.EngineShape):
+def _lse_rows(src, h, hp, T):
+    """``[T * h]``: the LSE row (attention slots, then reduction slots; -1: none) of each
+    (token, head) vector, through the 8-row granule map ``src``."""
+    g = et.ROW_ALIGN
+    r = (jnp.arange(T)[:, None] * hp + jnp.arange(h)[None, :]).reshape(-1)
+    gs = jnp.asarray(src)[r // g]
+    return jnp.where(gs >= 0, gs * g + r % g, -1)
+
+
+def states(res, part_lse, tables: et.EngineTables, shape: et.EngineShape):
     """(chunk, hist) :class:`state.PartialState` s ``[Tq_cap, hq]`` / ``[Tq_cap, H]`` from the
-    launch's state arrays (rows ``token * heads_pad + head``; padded heads dropped); ``out`` is
-    unspecified where ``lse = -inf``."""
-    co, cl, ho, hl = res
+    launch's results (state mode): ``out`` as the kernel wrote it (rows ``token * heads_pad +
+    head``; padded heads dropped; unspecified where ``lse = -inf``), the LSE gathered from the
+    attention and reduction slots through ``chunk_src`` / ``hist_src`` (-inf: no source)."""
+    co, ho, rl = res
     T, d = shape.tq_cap, co.shape[-1]
+    lses = jnp.concatenate([part_lse.reshape(-1), rl.reshape(-1)])
 
-    def take(o, l, h, hp):
-        o, l = o.reshape(T, hp, d), l.reshape(T, hp)
-        return st.PartialState(o[:, :h], l[:, :h]) if hp != h else st.PartialState(o, l)
+    def take(o, src, h, hp):
+        r = _lse_rows(src, h, hp, T)
+        lse = jnp.where(r >= 0, lses[jnp.maximum(r, 0)], -jnp.inf).reshape(T, h)
+        o = o.reshape(T, hp, d)
+        return st.PartialState(o[:, :h] if hp != h else o, lse)
 
-    return take(co, cl, shape.hq, shape.hq_pad), take(ho, hl, shape.heads, shape.heads_pad)
+    return (take(co, tables.chunk_src, shape.hq, shape.hq_pad),
+            take(ho, tables.hist_src, shape.heads, shape.heads_pad))
 
 
 # ----------------------------------------------------------------------------- reference

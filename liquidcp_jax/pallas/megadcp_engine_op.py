@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from liquidcp_jax import state as st
 from liquidcp_jax.pallas import megadcp_engine as eng
 from liquidcp_jax.pallas import megadcp_engine_tables as et
 
@@ -123,6 +124,10 @@ def execute(combine, spec, mesh, s: et.EngineShape, cfg: eng.EngineConfig, inter
         q_all = lax.all_gather(q_loc, ax, axis=1, tiled=True)   # [T, H, D], rank-major heads
         chunk, hist = eng.megadcp_engine(q_loc, q_all, kn, vn, kh, vh, tb, s, scale=spec.scale,
                                          config=cfg, interpret=interpret)
+        # The engine leaves out unspecified where lse = -inf; the baselines' combines scale out
+        # by a zero weight there (0 * NaN), so it is zeroed (fused into the combine's packing).
+        hist = st.PartialState(jnp.where((hist.lse == -jnp.inf)[..., None], 0.0, hist.out),
+                               hist.lse)
         return combine(q_loc, chunk, hist, spec)
 
     fn = jax.shard_map(body, mesh=mesh,

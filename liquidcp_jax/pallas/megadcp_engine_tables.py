@@ -10,12 +10,13 @@ tasks, history tasks (critical-wave queue order) and per-rank KV ranges. The eng
   history shard), writing its partial state (f32 out and natural-log LSE, 128 rows) to slot
   ``slot`` and, in the fused engine, adding 1 to counter ``signal`` (one counter per reduction
   item and 64-row half); with ``P > 1`` a task whose tile needs no merge (every chunk task, a
-  history tile of one split) writes its valid rows ``[out_row, out_row + out_n)`` straight into
-  the chunk / history state (``row = token * heads_pad + head``) instead;
+  history tile of one split) writes its valid ``out`` rows ``[out_row, out_row + out_n)``
+  straight into the chunk / history state (``row = token * heads_pad + head``) instead (its LSE
+  still to its slot);
 * reduction items: merge the partial states of ``n_in`` slots (``red_in[in_start:...]``) and
   write the result rows ``[dst_row, dst_row + n_rows)``: with ``final`` (``P = 1``) of ``out``
-  (chunk + every history split of one query tile); otherwise (``P > 1``) of the history state
-  (one split query tile's reduced state).
+  (chunk + every history split of one query tile); otherwise (``P > 1``) the ``out`` rows of the
+  history state (one split query tile's reduced state), its LSE to reduction slot ``counter``.
 
 Tasks are assigned to CTAs statically (ThunderGQA-style): attention tasks in queue order to the
 least-loaded CTA (LPT over the planner's longest-first history order), then reduction items in
@@ -50,7 +51,7 @@ ATTN_FIELDS = (
 RED_FIELDS = (
     "n_in",     # partial states merged
     "in_start", # into red_in
-    "dst_row",  # first row written (final: of the output; state: of the history state)
+    "dst_row",  # first row written (final: of the output; state: of the history state's out)
     "n_rows",   # valid rows stored
     "counter",  # counters 2 * counter + half reach n_in when every input is stored
 )
@@ -109,8 +110,12 @@ class EngineTables(NamedTuple):
 
     ``attn [A_cap, NA]`` and ``red [U_cap, NR]`` in CTA-major order; ``red_in [I_cap]`` slots;
     ``cta_off [2, G + 1]``: CTA ``c`` runs attention rows ``cta_off[0, c] .. cta_off[0, c+1]``
-    then reduction rows ``cta_off[1, c] .. cta_off[1, c+1]``. ``new_lo [Tq_cap]``: query token
-    ``t`` sees the
+    then reduction rows ``cta_off[1, c] .. cta_off[1, c+1]``. State mode only (``P > 1``): the
+    LSEs go to slots (whole 64-row TMA boxes; the ``out`` rows are written in place) and
+    ``chunk_src [Tq_cap * hq_pad / 8]`` / ``hist_src [Tq_cap * heads_pad / 8]`` give each 8-row
+    granule of the padded vector rows (``token * heads_pad + head``) its LSE rows ``(slot * 16 +
+    granule) * 8 + [0, 8)``, where slots ``>= A_cap`` are reduction slots ``slot - A_cap``
+    (``counter``); -1: none (no history). ``new_lo [Tq_cap]``: query token ``t`` sees the
     step's new KV rows ``[new_lo[t], t]`` (its request's new tokens up to itself; ``t + 1``
     past the last token: none), for the bad-data marks of the new ``V``.
     """
@@ -119,6 +124,8 @@ class EngineTables(NamedTuple):
     red: np.ndarray
     red_in: np.ndarray
     cta_off: np.ndarray
+    chunk_src: np.ndarray
+    hist_src: np.ndarray
     new_lo: np.ndarray
 
 
@@ -180,6 +187,17 @@ def _blocks(req, qs, qe, q_off, hp):
     b = k % hb
     return (owner, tok, b, (q_off[req[owner]] + tok) * hp + b * TILE_ROWS,
             np.minimum(TILE_ROWS, hp - b * TILE_ROWS))
+
+
+def _src_map(n_rows_total, rows0, n_rows, base):
+    """``[n_rows_total // 8]`` source of each 8-row granule of the padded row layout
+    (``token * heads_pad + head``): ``base * 16 + granule within the tile`` for the granules of
+    tiles ``[rows0, rows0 + n_rows)`` (tiles start and end on granules), -1 elsewhere."""
+    src = np.full(n_rows_total // ROW_ALIGN, -1, np.int64)
+    own, i = _ranges(np.asarray(n_rows, np.int64) // ROW_ALIGN)
+    src[np.asarray(rows0, np.int64)[own] // ROW_ALIGN + i] = \
+        np.asarray(base, np.int64)[own] * (TILE_ROWS // ROW_ALIGN) + i
+    return src
 
 
 def _ranges(counts):
@@ -340,6 +358,8 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
         m_slot = np.arange(A)
         m_grp = signal.copy()
         g_dst, g_n = c_row, c_n
+        chunk_src = np.full(1, -1, np.int64)
+        hist_src = np.full(1, -1, np.int64)
     else:       # one group per split history tile; the other tiles write their rows directly
         uk, inv, cnt = np.unique(h_keys, return_inverse=True, return_counts=True)
         split = cnt >= 2
@@ -354,6 +374,10 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
         first[m_grp[::-1]] = m_slot[::-1] - n_c   # first member of each group
         g_dst = h_row[first] if U else np.zeros(0, np.int64)
         g_n = h_n[first] if U else np.zeros(0, np.int64)
+        # LSEs: every task's to its slot, a group's to reduction slot A_cap + group (= counter)
+        chunk_src = _src_map(tq_cap * hqp, c_row, c_n, np.arange(n_c))
+        base = np.where(keep, A_cap + h_sig, n_c + np.arange(n_h))
+        hist_src = _src_map(tq_cap * Hp, h_row, h_n, base)
         out_row[:n_c], out_n[:n_c] = c_row, c_n
         out_row[n_c:] = np.where(keep, -1, h_row)
         out_n[n_c:] = np.where(keep, 0, h_n)
@@ -409,7 +433,8 @@ def pack_engine(t, rank: int = 0, *, num_ctas: int, block_kv: int = 128, final: 
                         hist_rows=hist_rows, new_rows=new_rows)
     new_lo = np.arange(1, tq_cap + 1, dtype=np.int64)
     new_lo[:n_q] = np.repeat(q_off, qlen)
-    tables = EngineTables(attn, red, red_in, cta_off, new_lo.astype(np.int32))
+    tables = EngineTables(attn, red, red_in, cta_off, chunk_src.astype(np.int32),
+                          hist_src.astype(np.int32), new_lo.astype(np.int32))
     return EnginePlan(shape, tables, A, U, est_busy)
 
 
@@ -548,34 +573,46 @@ def _check_coverage(plan: EnginePlan, t, rank: int):
         assert np.array_equal(seen[:n], np.ones(n)), \
             "an output row is written by zero or several reductions"
         return
-    # State mode: every state row is written at most once (by a task's direct write or by a
-    # reduction item), and every vector's writer covers its keys exactly once; a history vector
-    # of a request without history on the rank may stay unwritten (the state's fill value).
+    # State mode: every ``out`` row is written at most once (by a task's direct write or by a
+    # reduction item), 8-row granules inside the queries' rows; every written vector's writer
+    # covers its keys exactly once and its LSE source (chunk_src / hist_src) is the same slot or
+    # reduction slot; a history vector of a request without history on the rank may stay
+    # unwritten (LSE source -1).
     rd = tb.red[:plan.num_red].astype(np.int64)
-    writers = {0: {}, 1: {}}   # kind -> {row: (slots, row within the slots' tiles)}
+    A_cap = s.attn_cap
+    n_q = int(qlen.sum())
+    writers = {0: {}, 1: {}}   # kind -> {row: (slots, row within the tiles, LSE slot)}
+
+    def claim(kind, row0, n, hp, src):
+        assert row0 % ROW_ALIGN == 0 and n % ROW_ALIGN == 0, "a write is not whole granules"
+        assert 0 <= row0 and row0 + n <= n_q * hp, "a write leaves the queries' rows"
+        for i in range(n):
+            assert row0 + i not in writers[kind], f"state row {row0 + i} written twice"
+            writers[kind][row0 + i] = src + (i,)
+
     for r in at.values():
         if r[FA["out_row"]] >= 0:
             assert r[FA["signal"]] < 0, "a directly written task also signals a reduction"
-            for i in range(r[FA["out_n"]]):
-                row = r[FA["out_row"]] + i
-                assert row not in writers[r[FA["kind"]]], f"state row {row} written twice"
-                writers[r[FA["kind"]]][row] = ([int(r[FA["slot"]])], i)
+            kind = int(r[FA["kind"]])
+            claim(kind, r[FA["out_row"]], r[FA["out_n"]], (hqp, Hp)[kind],
+                  ([int(r[FA["slot"]])], int(r[FA["slot"]])))
     for r in rd:
         ins = tb.red_in[r[FR["in_start"]]:r[FR["in_start"]] + r[FR["n_in"]]].tolist()
-        for i in range(r[FR["n_rows"]]):
-            row = r[FR["dst_row"]] + i
-            assert row not in writers[1], f"history state row {row} written twice"
-            writers[1][row] = (ins, i)
-    for kind, heads, hp in ((0, hq, hqp), (1, H, Hp)):
+        claim(1, r[FR["dst_row"]], r[FR["n_rows"]], Hp, (ins, A_cap + int(r[FR["counter"]])))
+    for kind, src, heads, hp in ((0, tb.chunk_src, hq, hqp), (1, tb.hist_src, H, Hp)):
         for req in range(S):
             for tok in range(qlen[req]):
                 for hd in range(heads):
                     row = (q_off[req] + tok) * hp + hd   # the vector's row in the padded layout
+                    g = int(src[row // ROW_ALIGN])
                     if row not in writers[kind]:
                         assert kind == 1 and local[req] == 0, \
                             f"vector {row} of kind {kind} is never written"
+                        assert g == -1, f"unwritten vector {row} has an LSE source"
                         continue
-                    slots, i = writers[kind][row]
+                    slots, lse_slot, i = writers[kind][row]
+                    assert g >= 0 and divmod(g * ROW_ALIGN + row % ROW_ALIGN, TILE_ROWS) == \
+                        (lse_slot, i), f"vector {row}: LSE source is not its writer's slot"
                     for sl in slots:
                         assert at[sl][FA["q_row"]] + i == row, "tile row is not the vector's row"
                         assert at[sl][FA["kind"]] == kind
