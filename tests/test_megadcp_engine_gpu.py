@@ -52,6 +52,19 @@ def test_splits_one_to_max(rng, splits):
     _check(errs)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dcp,hq,ql", [(2, 8, [3, 7, 5, 16]), (8, 3, [16, 5, 16, 2])])
+def test_states_in_place_uneven_rows(rng, dcp, hq, ql, fused):
+    """P > 1 states: tiles whose 64-row halves hold 24 / 40 / 56 valid rows (power-of-two store
+    pieces at every offset), heads padded (H = 24 -> 24 rows a token), requests without history
+    on the rank, a split tile's reduction."""
+    for rank in (0, dcp - 1):
+        errs, plan = run_case(rng, [8000, 0, 1, 700], ql, dcp=dcp, hq=hq, rank=rank,
+                              splits=[3, 1, 1, 1], num_ctas=None, fused=fused, interpret=False)
+        assert not plan.shape.final and plan.num_red > 0
+        _check(errs)
+
+
 @pytest.mark.parametrize("block_kv,mcs", [(64, 3), (64, 4)])
 @pytest.mark.parametrize("fused", [True, False])
 def test_deeper_kv_ring(rng, block_kv, mcs, fused):
