@@ -217,7 +217,6 @@ def _attention_phase(cx_static, refs, bars, sems):
                                           m_i * LN2 + jnp.log(jnp.where(empty, 1.0, l_i)))
                 plgpu.commit_smem()
                 slot = get("slot")
-
                 plgpu.copy_smem_to_gmem(lse_smem, pl_ref.at[slot, pl.ds(r0, _BQ)])
 
                 def o_to_slot():
@@ -440,7 +439,7 @@ def launcher(shape: et.EngineShape, config: EngineConfig, d: int, dtype_name: st
     ``results``: ``(out [Tq_cap * hq_pad, D],)`` with ``final``; otherwise ``(chunk_o [Tq_cap *
     hq_pad, D], hist_o [Tq_cap * heads_pad, D], red_lse [U_cap, 128])`` (f32): the states'
     ``out`` rows, written by the tasks and reductions (rows no task writes are unspecified), and
-    the reductions' LSE slots (the tasks' LSEs are in ``part_lse``; :func:`gather_lse`)."""
+    the reductions' LSE slots (the tasks' LSEs are in ``part_lse``; :func:`states`)."""
     dtype = jnp.dtype(dtype_name)
     mcs, bkv = config.max_concurrent_steps, config.block_kv
     G, final = shape.num_ctas, shape.final

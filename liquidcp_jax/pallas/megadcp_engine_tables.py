@@ -43,7 +43,7 @@ ATTN_FIELDS = (
     "n_tiles",  # KV tiles of block_kv keys (0: empty task, writes lse = -inf)
     "full_lo",  # tiles [full_lo, full_hi) need no mask
     "full_hi",
-    "slot",     # partial-state slot written (when out_row < 0)
+    "slot",     # partial-state slot: the LSE always, out only when out_row < 0
     "signal",   # reduction item whose counters this task increments (-1: none)
     "out_row",  # P > 1, unmerged tile: first state row written directly (-1: writes its slot)
     "out_n",    # valid rows of the direct write (whole tokens of the tile)
