@@ -242,12 +242,42 @@ def _staged(case):
     return tb, mt.RingGeometry(N, lay.capacity // B, B, send), d, dtype, ctas
 
 
+_STAGED_TASKS = me.staged_tasks
+
+
+def _interleaved(tb, claims, num_ctas):
+    """:func:`staged_tasks` with each CTA's Q tiles taken in turn (each Q tile's tasks still in
+    order): the three-warpgroup kernel then merges every task (no two consecutive tasks of one
+    Q tile to carry in registers), so merges into a running state run too."""
+    task, off = _STAGED_TASKS(tb, claims, num_ctas)
+    key = lambda t: tuple(tb.seg[t[0], [ep.SF["rank"], ep.SF["q_tile"]]])  # noqa: E731
+    out, apart = [], False
+    for c in range(num_ctas):
+        groups: dict = {}
+        for t in task[off[c]:off[c + 1]].tolist():
+            groups.setdefault(key(t), []).append(t)
+        mine = []
+        while groups:
+            for kk in list(groups):
+                mine.append(groups[kk].pop(0))
+                if not groups[kk]:
+                    del groups[kk]
+        ks = [key(t) for t in mine]
+        apart |= any(x != y and x in ks[i + 1:] for i, (x, y) in enumerate(zip(ks, ks[1:])))
+        out += mine
+    assert apart   # some Q tile's tasks are apart: merged into a running state
+    return np.asarray(out, np.int32).reshape(-1, 4), off
+
+
 @pytest.mark.parametrize("case,ws", [(0, False), (1, False), (1, True)])
-def test_staged_forward_interpret_matches_float64(rng, case, ws):
+def test_staged_forward_interpret_matches_float64(rng, monkeypatch, case, ws):
     """The forward's task body (TMA of local and received tiles through the commit map, the mask
     by sequence id and position, online softmax, wgmma, the Eq. 1 merge into the running state,
     the last merge writing the output) in the Mosaic GPU interpreter, NaN-initialised memory,
-    on the claims of a protocol run with random delays (coalesced, out-of-order intervals)."""
+    on the claims of a protocol run with random delays (coalesced, out-of-order intervals). The
+    three-warpgroup kernel on interleaved task lists (:func:`_interleaved`): every task merged."""
+    if ws:
+        monkeypatch.setattr(me, "staged_tasks", _interleaved)
     tb, g, d, dtype, ctas = _staged(case)
     rows = g.num_ranks * g.rows
     q, k, v = (jnp.asarray(rng.standard_normal((rows, d)), dtype) for _ in range(3))

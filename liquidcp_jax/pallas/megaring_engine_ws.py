@@ -12,9 +12,11 @@ producer claims tasks (fused: the cursor scan and CAS of :mod:`megaring_engine`,
 compute warpgroups run the previous task; staged: its static list), hands each task to the
 compute warpgroups through a two-slot SMEM mailbox and streams the task's Q rows and logical KV
 tiles (local rows, or the receive slot from the commit map) into a KV ring that runs across the
-CTA's tasks. Each compute warpgroup merges its half into the running state under the (Q tile,
-half) lock (paper Eq. 1) as before; the two share one f32 staging buffer, taking turns (warpgroup
-0 then 1, per task) so the kernel fits in SMEM at ``D = 128``.
+CTA's tasks. Each compute warpgroup keeps its half's online-softmax state in registers across
+consecutive tasks of one Q tile (a chain) and merges it into the running state under the (Q tile,
+half) lock (paper Eq. 1) once the next task is of another Q tile or the end: one merge per chain,
+not per task. The two share one f32 staging buffer, taking turns (warpgroup 0 then 1, per merge)
+so the kernel fits in SMEM at ``D = 128``.
 
 Masks by per-token codes: ``code = seq * span + pos`` (``-1``: padding; ``span`` a power of two
 above every position), so a key is visible to a query row of the segment's sequence ``s`` iff
@@ -25,8 +27,9 @@ of :mod:`~liquidcp_jax.megaring.engine_protocol` is unchanged: workers never wai
 published prefix only grows, every CTA is resident (grid <= SM count, one CTA per SM by SMEM), so
 every claim a scan waits for becomes claimable. Inside a CTA: the producer waits only on its own
 compute warpgroups' releases (mailbox slots, Q, ring slots) for tasks it already handed over,
-which they finish without waiting on the producer again; a compute warpgroup takes its turn of
-the staging buffer before the merge lock and holds the lock only for the merge's own TMA, so no
+which they finish without waiting on the producer again; a compute warpgroup waits for the next
+post with its chain unmerged but holding no lock, and no post waits on a merge; it takes its turn
+of the staging buffer before the merge lock and holds the lock only for the merge's own TMA, so no
 lock holder waits on anything another lock holder holds.
 """
 from __future__ import annotations
@@ -301,12 +304,15 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
             def compute():
                 plgpu.set_max_registers(_REGS_COMPUTE, action="increase")
                 cscr = scr.at[wg]
+                wgmma_l = plgpu.Layout.WGMMA
 
-                def run_task(k, cnt, j, c0, e0, prev_s):
-                    nt = e0 - c0
-                    rk_j, a = seg_ref[j, sf["rank"]], seg_ref[j, sf["q_tile"]]
-                    lo = seg_ref[j, sf["seq"]] * span
-                    plgpu.barrier_wait(q_bar.at[wg])
+                def run_tiles(cnt, j, c0, e0, init):
+                    """The online softmax of task ``(j, c0, e0)`` (none if ``j < 0``) from the
+                    running ``init = (acc, m_i, l_i)``."""
+                    live = j >= 0
+                    nt = jnp.where(live, e0 - c0, 0)
+                    lo = seg_ref[jnp.maximum(j, 0), sf["seq"]] * span
+                    pl.when(live)(lambda: plgpu.barrier_wait(q_bar.at[wg]))
                     qc = plgpu.load(qc_smem2.at[wg], layout=row_l)
                     qd = qc - bcast(lo, (_BQ,), row_l)
                     # rows of another sequence see no key: -1 is below every key's distance
@@ -324,33 +330,36 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                                  p_smem2.at[wg] if interpret else None, k_bar, v_bar, k_release,
                                  v_release, sched, wg * _BQ, 0, 0, 0, nt, slot_of, _BQ, B, D,
                                  dtype, True, scale2, interpret, True, wg, mask_fn=mask_fn)
-                    plgpu.barrier_wait(k_bar.at[slot_of(0)])   # later tiles: the step's prefetch
-                    cx.sched_start()
+
+                    @pl.when(live)
+                    def _():   # later tiles: the step's prefetch
+                        plgpu.barrier_wait(k_bar.at[slot_of(0)])
+                        cx.sched_start()
 
                     def step(i, carry):
                         def release_q():   # last Q K^T issued: the producer may load the next Q
                             pl.when(i == nt - 1)(lambda: plgpu.barrier_arrive(q_free))
                         return softmax_step(cx, i, carry, masked=True, after_qk=release_q)
 
-                    init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), plgpu.Layout.WGMMA),
-                            plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
-                            plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), row_l))
-                    acc, m_i, l_i = lax.fori_loop(0, nt, step, init)
-                    cx.sched_end(wait=True)
+                    carry = lax.fori_loop(0, nt, step, init)
+                    pl.when(live)(lambda: cx.sched_end(wait=True))
+                    return carry
+
+                def finish(m, rk_j, a, nt, prev_s, carry):
+                    """A chain's result (``nt`` tiles of rank ``rk_j``'s Q tile ``a``) merged:
+                    this warpgroup's merge ``m``."""
+                    acc, m_i, l_i = carry
                     empty = l_i == 0.0
                     o = acc * lax.broadcast_in_dim(1.0 / jnp.where(empty, 1.0, l_i), acc.shape, [0])
                     lse = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) * LN2
                                     + jnp.log(jnp.where(empty, 1.0, l_i)))
-                    merge(k, rk_j, a, nt, prev_s, o, lse)
+                    with jax.named_scope(FWD_MERGE):
+                        merge_in_turn(m, rk_j, a, nt, prev_s, o, lse)
 
-                def merge(k, rk_j, a, nt, prev_s, o, lse):
+                def merge_in_turn(m, rk_j, a, nt, prev_s, o, lse):
                     """Eq. 1 into the running state of this half: the staging buffers in turn
                     (warpgroup 0 after 1's previous merge, 1 after 0's), then the lock."""
-                    with jax.named_scope(FWD_MERGE):
-                        merge_in_turn(k, rk_j, a, nt, prev_s, o, lse)
-
-                def merge_in_turn(k, rk_j, a, nt, prev_s, o, lse):
-                    pl.when((wg == 0) & (k > 0))(lambda: plgpu.barrier_wait(turn.at[1]))
+                    pl.when((wg == 0) & (m > 0))(lambda: plgpu.barrier_wait(turn.at[1]))
                     pl.when(wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
                     u = (rk_j * n + a) * 2 + wg
                     drow = pl.multiple_of(rk_j * C + a * B + wg * _BQ, 8)
@@ -393,16 +402,39 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                     plgpu.barrier_arrive(turn.at[wg])
 
                 def task_step(st):
-                    _, k, cnt = st
+                    """Task ``k``: one of another Q tile than the running chain's (or the end)
+                    first merges the chain; one of the same Q tile extends it. The online-softmax
+                    state stays in registers across a CTA's consecutive tasks of one Q tile and
+                    is merged once (the staged lists hold each Q tile's tasks together; fused
+                    claims stay on a segment until it is claimed out)."""
+                    _, k, cnt, m, ch, carry = st
+                    ch_u, ch_rk, ch_a, ch_prev, ch_nt = ch
                     j, c0, e0, prev_s = mailbox.take(k, _MAILBOX, scope=FWD_WAIT)
-                    pl.when(j >= 0)(lambda: run_task(k, cnt, j, c0, e0, prev_s))
-                    return j, k + 1, cnt + jnp.where(j >= 0, e0 - c0, 0)
+                    jc = jnp.maximum(j, 0)
+                    rk_j, a = seg_ref[jc, sf["rank"]], seg_ref[jc, sf["q_tile"]]
+                    u = jnp.where(j >= 0, rk_j * n + a, -1)
+                    flush = (ch_nt > 0) & (u != ch_u)
+                    pl.when(flush)(lambda: finish(m, ch_rk, ch_a, ch_nt, ch_prev, carry))
+                    keep = (ch_nt > 0) & ~flush
+                    acc, m_i, l_i = carry
+                    init = (jnp.where(bcast(keep, (_BQ, D), wgmma_l), acc, 0.0),
+                            jnp.where(bcast(keep, (_BQ,), row_l), m_i, -jnp.inf),
+                            jnp.where(bcast(keep, (_BQ,), row_l), l_i, 0.0))
+                    carry = run_tiles(cnt, j, c0, e0, init)
+                    nt = jnp.where(j >= 0, e0 - c0, 0)
+                    ch = (u, rk_j, a, jnp.where(keep, ch_prev, prev_s),
+                          jnp.where(keep, ch_nt, 0) + nt)
+                    return j, k + 1, cnt + nt, m + flush.astype(jnp.int32), ch, carry
 
                 z = jnp.int32(0)
+                init = (plgpu.layout_cast(jnp.zeros((_BQ, D), jnp.float32), wgmma_l),
+                        plgpu.layout_cast(jnp.full((_BQ,), -jnp.inf, jnp.float32), row_l),
+                        plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), row_l))
                 with jax.named_scope(FWD_COMPUTE):
-                    _, k, _ = lax.while_loop(lambda st: st[0] >= 0, task_step, (z, z, z))
-                # warpgroup 1's last turn (k - 1 tasks ran: the last post was the end)
-                pl.when((wg == 0) & (k > 1))(lambda: plgpu.barrier_wait(turn.at[1]))
+                    _, _, _, m, _, _ = lax.while_loop(lambda st: st[0] >= 0, task_step,
+                                                      (z, z, z, z, (z, z, z, z, z), init))
+                # warpgroup 1's last turn
+                pl.when((wg == 0) & (m > 0))(lambda: plgpu.barrier_wait(turn.at[1]))
                 plgpu.wait_smem_to_gmem(0)
 
             pl.when(wg < 2)(compute)
