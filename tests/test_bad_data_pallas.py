@@ -96,8 +96,15 @@ def _check_all(res, x, do, seg, causal, spot, scale, tol, refs=None):
         check(name, got, r, want[name], tol)
 
 
-def _fwd_bwd(fwd, bwd, x, do, seg):
+def _fwd_bwd(fwd, bwd, x, do, seg, jit=False):
+    """``jit``: each of ``fwd`` / ``bwd`` runs as one jitted program (the segment table a
+    constant, so its concrete-value checks still run), not op by op: an interpret-mode kernel
+    called eagerly also compiles every small XLA op around it, one at a time."""
     q, k, v = (jnp.asarray(x[n]) for n in TENSORS)
+    if jit:
+        fwd_, bwd_ = fwd, bwd
+        fwd = jax.jit(lambda q, k, v, _: fwd_(q, k, v, seg))
+        bwd = jax.jit(lambda q, k, v, o, l, d, _: bwd_(q, k, v, o, l, d, seg))
     out, lse = fwd(q, k, v, seg)
     dq, dk, dv = bwd(q, k, v, out, lse, jnp.asarray(do), seg)
     return out, lse, dq, dk, dv
@@ -118,7 +125,7 @@ def test_interpret_kernels(case, persistent):
     bwd = lambda *a: api.segment_attention_bwd(*a, causal=causal, sm_scale=0.125,
                                                config=bwd_lib.BwdTuningConfig(fused=False),
                                                interpret=True)
-    _check_all(_fwd_bwd(fwd, bwd, x, do, seg), x, do, seg, causal, spot, 0.125, 2e-3)
+    _check_all(_fwd_bwd(fwd, bwd, x, do, seg, jit=True), x, do, seg, causal, spot, 0.125, 2e-3)
 
 
 @given(segment_cases())
@@ -141,7 +148,7 @@ def test_varlen_interpret_gradients():
     st_, ln = np.asarray(starts, np.int32), np.asarray(lens, np.int32)
     f = lambda q, k, v: api.varlen_attention(q, k, v, st_, st_, ln, 2, causal=True, sm_scale=0.125,
                                              interpret=True)
-    (out, lse), vjp = jax.vjp(f, *(jnp.asarray(x[n]) for n in TENSORS))
+    (out, lse), vjp = jax.vjp(jax.jit(f), *(jnp.asarray(x[n]) for n in TENSORS))
     dq, dk, dv = vjp((jnp.asarray(do), jnp.zeros_like(lse)))
     seg2 = Segments(st_, ln, st_, ln, np.zeros(2, np.int32), np.zeros(2, np.int32), np.int32(2))
     _check_all((out, lse, dq, dk, dv), x, do, seg2, True, spot, 0.125, 2e-3)

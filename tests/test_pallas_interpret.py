@@ -1,5 +1,6 @@
 """The Mosaic GPU kernels in CPU interpret mode (small shapes) vs the float64 references, and
 their GPU lowering (on CPU) for the code paths interpret mode does not run."""
+import jax
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -76,8 +77,10 @@ def _check_interpret_forward(causal, config):
   q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float16)
   k = jnp.asarray(rng.standard_normal((172, hkv, d)), jnp.float16)
   v = jnp.asarray(rng.standard_normal((172, hkv, d)), jnp.float16)
-  out, lse = api.varlen_attention(q, k, v, qs, ks, ln, 3, causal=causal, sm_scale=0.125,
-                                  interpret=True, config=config)
+  # One jitted program (the segment arrays constants: their concrete-value checks still run),
+  # not op by op: eagerly, every small XLA op around the interpreted kernel compiles alone.
+  out, lse = jax.jit(lambda q, k, v: api.varlen_attention(
+      q, k, v, qs, ks, ln, 3, causal=causal, sm_scale=0.125, interpret=True, config=config))(q, k, v)
   z = np.zeros(4, np.int32)
   ro, rl = ref.segment_attention_reference(q, k, v, Segments(qs, ln, ks, ln, z, z, 3),
                                            causal=causal, scale=0.125)
@@ -122,7 +125,7 @@ def test_interpret_backward_causal_varlen():
   loss = lambda q, k, v: jnp.sum(api.varlen_attention(
       q, k, v, qs, ks, ln, 3, causal=True, sm_scale=0.125, interpret=True)[0].astype(jnp.float32)
       * do.astype(jnp.float32))
-  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)   # one program, not op by op
   z = np.zeros(3, np.int32)
   refs = ref.segment_attention_reference_vjp(q, k, v, do, Segments(qs, ln, ks, ln, z, z, 3),
                                              causal=True, scale=0.125)
@@ -158,9 +161,9 @@ def test_interpret_backward_configs(causal, cfg):
   seg = Segments(qs, ln, ks, ln, z, z, 3)
   ro, rl = ref.segment_attention_reference(q, k, v, seg, causal=causal, scale=0.125)
   config = bwd.BwdTuningConfig(**cfg)
-  grads = api.pallas_segment_attention_bwd(
-      q, k, v, jnp.asarray(ro, jnp.float16), jnp.asarray(rl, jnp.float32), do, qs, ks, ln, 3,
-      causal=causal, sm_scale=0.125, config=config, interpret=True)
+  grads = jax.jit(lambda q, k, v, o, l, do: api.pallas_segment_attention_bwd(  # not op by op
+      q, k, v, o, l, do, qs, ks, ln, 3, causal=causal, sm_scale=0.125, config=config,
+      interpret=True))(q, k, v, jnp.asarray(ro, jnp.float16), jnp.asarray(rl, jnp.float32), do)
   refs = ref.segment_attention_reference_vjp(q, k, v, do, seg, causal=causal, scale=0.125)
   for g, r in zip(grads, refs):
     g = np.asarray(g, np.float64)
@@ -361,7 +364,7 @@ def test_interpret_whole_gap_tiles_are_zero(persistent, num_ctas):
   cfg = api.TuningConfig(persistent=persistent, num_ctas=num_ctas)
   f = lambda q, k, v: api.varlen_attention(q, k, v, qs, qs, ln, 2, causal=True, sm_scale=0.125,
                                            interpret=True, config=cfg)
-  (out, lse), vjp = jax.vjp(f, q, k, v)
+  (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)   # jitted: not op by op
   grads = vjp((do, jnp.zeros_like(lse)))
   z = np.zeros(2, np.int32)
   seg = Segments(qs, ln, qs, ln, z, z, 2)

@@ -231,10 +231,14 @@ def test_segment_ring_pallas_branch_interpret(rng):
             p.shard(q), p.shard(k), p.shard(v), p, scale=0.1, interpret=True,
             bwd_config=bwd.BwdTuningConfig(fused=False)))
 
-    out = jax.jit(run)(q, k, v, plan)
-    grads = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(run(q, k, v, p).astype(jnp.float32)
-                                                        * do.astype(jnp.float32)),
-                             argnums=(0, 1, 2)))(q, k, v, plan)
+    # out as value_and_grad's aux (the custom VJP's forward runs the primal's kernels): one
+    # jitted program, the forward kernels interpreted once instead of again under grad.
+    def loss(q, k, v, p):
+        o = run(q, k, v, p)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v, plan)
     f = _f64(q, k, v, do)
     assert ref.rel_error(out, ref.attention_reference(*f[:3], lengths, scale=0.1)[0]) < 2e-3
     for g, r in zip(grads, ref.attention_reference_vjp(*f, lengths, scale=0.1)):
