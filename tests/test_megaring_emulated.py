@@ -31,7 +31,7 @@ def test_staged_interpret_matches_float64(rng):
     ring = EmulatedRing(lengths, 4, tile=64, task_tiles=3)
     assert len(set(ring.layout.sizes.tolist())) > 1            # groups of several sizes
     q, k, v = _qkv(rng, sum(lengths), 2, 1, 64, jnp.bfloat16)
-    out = ring.attention(q, k, v, mode="staged", interpret=True)
+    out = _interpret_staged(ring)(q, k, v)
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     want, _ = reference.attention_reference(f64(q), f64(k), f64(v), lengths)
     got = f64(out)
@@ -39,11 +39,20 @@ def test_staged_interpret_matches_float64(rng):
     assert reference.rel_error(got, want) < 2e-2
 
 
-def _grads_vs_float64(ring, lengths, q, k, v, tol, **kw):
+def _interpret_staged(ring):
+    """The staged engine in the interpreter as one jitted program: eagerly, every small XLA op
+    around the interpreted kernels compiles alone (the engine has no check that needs concrete
+    values: under jit one would raise)."""
+    return jax.jit(lambda q, k, v: ring.attention(q, k, v, mode="staged", interpret=True))
+
+
+def _grads_vs_float64(ring, lengths, q, k, v, tol, jit=False, **kw):
+    """``jit``: the gradients as one jitted program (the interpreter tests), not op by op."""
     rng = np.random.default_rng(7)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     loss = lambda q, k, v: jnp.sum(ring.attention(q, k, v, **kw).astype(jnp.float32) * do)  # noqa: E731
-    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    got = (jax.jit(grad) if jit else grad)(q, k, v)
     f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)  # noqa: E731
     want = reference.attention_reference_vjp(f64(q), f64(k), f64(v), f64(do), lengths)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
@@ -57,7 +66,7 @@ def test_staged_interpret_gradients_match_float64(rng):
     lengths = [300, 70, 40]
     ring = EmulatedRing(lengths, 4, tile=64, task_tiles=3)
     q, k, v = _qkv(rng, sum(lengths), 2, 1, 64, jnp.bfloat16)
-    _grads_vs_float64(ring, lengths, q, k, v, 2e-2, mode="staged", interpret=True)
+    _grads_vs_float64(ring, lengths, q, k, v, 2e-2, jit=True, mode="staged", interpret=True)
 
 
 def test_bad_arguments():
@@ -124,10 +133,10 @@ def test_staged_interpret_heads_in_one_launch(rng, monkeypatch):
     lengths = [200, 70, 33]
     ring = EmulatedRing(lengths, 4, tile=64, task_tiles=3)
     q, k, v = _qkv(rng, sum(lengths), 4, 2, 64, jnp.bfloat16)
-    out = ring.attention(q, k, v, mode="staged", interpret=True)
+    out = _interpret_staged(ring)(q, k, v)
     assert calls == [(4 * 4 * ring.layout.capacity, 64)]
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     want, _ = reference.attention_reference(f64(q), f64(k), f64(v), lengths)
     assert reference.rel_error(f64(out), want) < 2e-2
-    _grads_vs_float64(ring, lengths, q[:, :2], k[:, :1], v[:, :1], 2e-2, mode="staged",
-                      interpret=True)
+    _grads_vs_float64(ring, lengths, q[:, :2], k[:, :1], v[:, :1], 2e-2, jit=True,
+                      mode="staged", interpret=True)
