@@ -72,6 +72,24 @@ def test_branches_run_each_version_and_restore_head(tmp_path):
     assert (repo / "liquidcp_jax" / "k.py").read_text() == k(1, 3)   # HEAD's back
     assert _git(repo, "status", "--porcelain") == ""
 
+    # a branch saved as a patch (benchmarks/pending/) prepares as the branch did
+    (repo / "benchmarks" / "pending").mkdir()
+    (repo / "benchmarks" / "pending" / "exp2.patch").write_text(
+        _git(repo, "diff", "--binary", "main...exp", "--", "liquidcp_jax", "benchmarks"))
+    prep = subprocess.run(["bash", "benchmarks/prepare_branches.sh",
+                           "benchmarks/pending/exp2.patch"], cwd=repo, capture_output=True,
+                          text=True)
+    assert prep.returncode == 0, prep.stderr
+    assert (repo / ".variants" / "exp2" / "liquidcp_jax" / "k.py").read_text() == k(2, 3)
+    assert (repo / ".variants" / "exp2" / "liquidcp_jax" / "extra.py").read_text() == "new\n"
+    (repo / "benchmarks" / "pending" / "gone.patch").write_text(
+        _git(repo, "diff", "main...gone", "--", "liquidcp_jax"))
+    gone = subprocess.run(["bash", "benchmarks/prepare_branches.sh",
+                           "benchmarks/pending/gone.patch"], cwd=repo, capture_output=True,
+                          text=True)
+    assert gone.returncode == 1 and "deletes liquidcp_jax/k.py" in gone.stderr
+    shutil.rmtree(repo / "benchmarks" / "pending")
+
     clash = subprocess.run(["bash", "benchmarks/prepare_branches.sh", "clash"], cwd=repo,
                            capture_output=True, text=True)
     assert clash.returncode == 1 and "do not apply onto HEAD" in clash.stderr
