@@ -47,10 +47,16 @@ def test_varlen_fwd_bwd_gpu_lowering_has_no_while_loops(fused):
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   txt = g.trace(q, k, k, sd((640, 8, 128), jnp.float32), seg, seg, seg,
                 sd((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  # The forward, and the backward kernels twice: both branches of the bad-data cond
-  # (pallas/bad_data.py: raw inputs when all are finite, else cleaned ones).
-  assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1 + 2 * (1 if fused else 2)
+  # The forward, and the backward kernels once: one function both branches of the bad-data
+  # cond call (pallas/bad_data.py: raw inputs when all are finite, else cleaned ones).
+  assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 1 + (1 if fused else 2)
+  assert _bad_data_branches(txt) == 2
   assert "stablehlo.while" not in txt
+
+
+def _bad_data_branches(txt):
+  """Calls of the backward's kernels function (``bad_data._traced_once``) in lowered text."""
+  return txt.count("call @bad_data_kernels(")
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -219,8 +225,10 @@ def test_backward_gpu_lowering(bkv_dq, bq_dkv, mcs, d):
       lower()
   else:
     import re
-    # The dQ and dK/dV kernels, in both branches of the bad-data cond (pallas/bad_data.py).
-    assert len(re.findall(r"custom_call @mosaic_gpu", lower())) == 4
+    # The dQ and dK/dV kernels, once: both branches of the bad-data cond call them.
+    txt = lower()
+    assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 2
+    assert _bad_data_branches(txt) == 2
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
@@ -248,11 +256,11 @@ def test_fused_backward_gpu_lowering(hq, hkv, monkeypatch):
     txt = f.trace(q, k, k, q, lse, q, seg, seg, seg, sd((), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     calls = [l for l in txt.splitlines() if "custom_call @mosaic_gpu" in l]
-    # Each kernel in both branches of the bad-data cond (pallas/bad_data.py); the run-time fused
-    # choice is a cond inside each branch.
-    assert len(calls) == 2 * n_calls
+    # Each kernel once, in the function both branches of the bad-data cond call
+    # (pallas/bad_data.py); the run-time fused choice is a cond inside it.
+    assert len(calls) == n_calls and _bad_data_branches(txt) == 2
     conds = sum(l.count("stablehlo.case") + l.count("stablehlo.if") for l in txt.splitlines())
-    assert conds == (3 if n_calls == 3 else 1)
+    assert conds == (2 if n_calls == 3 else 1)
     if n_calls == 1:
       assert "output_operand_alias<output_tuple_indices = [2], operand_index = 7" in calls[0]
   q64, k64 = sd((640, hq, 64), jnp.bfloat16), sd((640, hkv, 64), jnp.bfloat16)
@@ -262,7 +270,8 @@ def test_fused_backward_gpu_lowering(hq, hkv, monkeypatch):
                                                             config=cfg)).trace(
       q64, k64, k64, q64, lse, q64, seg, seg, seg, sd((), jnp.int32)).lower(
           lowering_platforms=("cuda",)).as_text()
-  assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 4   # 2 per branch
+  assert sum("custom_call @mosaic_gpu" in l for l in txt.splitlines()) == 2   # shared
+  assert _bad_data_branches(txt) == 2
 
 
 def test_fused_at_run_time_uses_actual_segment_lengths(monkeypatch):

@@ -132,6 +132,15 @@ def _nan_rows(out, bad):
   return out.reshape(n, d).at[idx].set(jnp.nan, mode="drop", unique_indices=True).reshape(t, h, d)
 
 
+def _traced_once(run):
+  """``run`` as one jitted function, ``bad_data_kernels``: both branches of the backward's cond
+  call the same traced function, so its kernels are lowered (and compiled) once, not per
+  branch."""
+  def bad_data_kernels(*args):
+    return run(*args)
+  return jax.jit(bad_data_kernels)
+
+
 def backward(run, q, k, v, out, lse, do, seg, causal: bool):
   """``run(q, k, v, do, delta, lse) -> (dq, dk, dv)`` (the backward kernels; ``delta =
   rowsum(dO * out)`` f32 ``[Tq, Hq]``, ``lse`` natural log with non-finite entries allowed) with
@@ -140,6 +149,7 @@ def backward(run, q, k, v, out, lse, do, seg, causal: bool):
   tq, hq, _ = q.shape
   tk = k.shape[0]
   rep = hq // k.shape[1]
+  run = _traced_once(run)
   delta = jnp.einsum("thd,thd->th", do.astype(jnp.float32), out.astype(jnp.float32))
   lse_bad = jnp.isnan(lse) | (lse == jnp.inf)
   need = (jnp.any(~jnp.isfinite(delta)) | jnp.any(lse_bad) | jnp.any(~jnp.isfinite(q))
