@@ -26,12 +26,18 @@ ablation (the engine steps run every head in one launch per pass, heads as copie
   fused_ws_masked ``fused_ws`` whose backward masks every entry
                   (``ws_tables(skip_full_masks=False)``; ``fused_ws`` runs a task's full
                   entries, every pair valid, without the mask)
+  ws_alone        the three-warpgroup kernels with each GPU of the mesh alone on this GPU, as
+                  on a real mesh: a rank's virtual ranks (every head) on all the SMs, the
+                  staged forward's compute launch of their claims, then their backward
+                  (dynamic claims); transfers not timed; the slowest rank counts
   ==============  =====================================================================
 
 Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
 (``varlen_attention``, every sequence local) over ``P`` times the slowest rank (segment ring) or
 over the launch time (the engine steps: all ``P`` ranks share the GPU in one launch, each with
-``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU). The one-step
+``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU; they also
+share one L2 and HBM: ``ws_alone`` gives a rank the whole GPU, as the segment ring's rows
+do). The one-step
 time is measured before and after a case's steps and the faster of the two counts.
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
@@ -54,8 +60,8 @@ from benchmarks import harness as H
 
 CHECK_ROWS = 512   # query rows per head checked vs float64 (--check)
 # The engine steps first: a device call cut by its limit has timed what is least measured.
-STEPS = ("fused_ws", "staged_ws", "fused_ws_masked", "fused", "fused_tau1", "staged",
-         "segment_ring", "fused_merge")
+STEPS = ("fused_ws", "staged_ws", "fused_ws_masked", "ws_alone", "fused", "fused_tau1",
+         "staged", "segment_ring", "fused_merge")
 
 
 def cases(spec: str) -> list[H.Case]:
@@ -199,6 +205,52 @@ def profile_backward(step: str, tb, geom, scale: float, num_sms: int, args, root
                                            H.sm_clock_ghz() or 1.98))
 
 
+def time_alone(tb, geom, P: int, heads: int, scale: float, num_sms: int, args, reps: int,
+               bwd: bool) -> dict:
+    """Step ``ws_alone``: each GPU of the ``P``-GPU mesh alone on this GPU, as it would run on a
+    real mesh: rank ``r``'s virtual ranks (``h * P + r``, every head) on all the SMs, the staged
+    three-warpgroup forward's compute launch of their claims, then (``bwd``) their
+    three-warpgroup backward (dynamic claims, the SMs shared by the heads). The transfers run once
+    before and are not timed (the segment ring's per-GPU compute has none either). Returns
+    ``ms_per_rank``, ``fb_ms_per_rank`` (forward then backward, one program) and ``out``: the
+    forward's rows, each rank's from its own launch."""
+    import jax
+    import jax.numpy as jnp
+    from liquidcp_jax.megaring import engine_backward as eb
+    from liquidcp_jax.megaring import engine_protocol as ep
+    from liquidcp_jax.pallas import megaring_engine as me
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
+    q, k, v, do = args
+    sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
+    rk, rv = (jax.block_until_ready(jax.jit(lambda x: me.transfer_launch(x, tb, geom))(x))
+              for x in (k, v))
+    bt = bws.ws_tables(eb.build_backward_tables(tb), geom, None)
+    C, per, per_fb, out = geom.rows, [], [], np.zeros(q.shape, np.float32)
+    for r in range(P):
+        ranks = [h * P + r for h in range(heads)]
+
+        def fwd(q, k, v, rk, rv, ranks=ranks):
+            return me.staged_compute(q, k, v, rk, rv, tb, geom, scale=scale, num_ctas=num_sms,
+                                     sim=sim, ranks=ranks, warp_specialized=True)
+
+        def fb(q, k, v, rk, rv, do, fwd=fwd, ranks=ranks):
+            o, l = fwd(q, k, v, rk, rv)
+            return bws.backward_ws(q, k, v, o, l, do, tb, geom, scale=scale,
+                                   ctas_per_rank=num_sms // heads, recv=(rk, rv), tables=bt,
+                                   ranks=ranks)
+
+        f = jax.jit(fwd)
+        o = np.asarray(jax.block_until_ready(f(q, k, v, rk, rv))[0].astype(jnp.float32))
+        for vr in ranks:
+            out[vr * C:(vr + 1) * C] = o[vr * C:(vr + 1) * C]
+        per.append(H.time_fn(f, q, k, v, rk, rv, reps=reps).median_ms)
+        if bwd:
+            per_fb.append(H.time_fn(jax.jit(fb), q, k, v, rk, rv, do, reps=reps).median_ms)
+        print(f"    ws_alone rank {r + 1}/{P}: {per[-1]:.3f} ms"
+              + (f", fwd+bwd {per_fb[-1]:.3f} ms" if per_fb else ""), flush=True)
+    return {"ms_per_rank": per, "fb_ms_per_rank": per_fb, "out": out}
+
+
 def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -296,6 +348,27 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     row["efficiency"] = round(one_ms / P / ms, 3)
                 if per_fb:
                     row.update(fb_ms=round(max(per_fb), 4),
+                               fb_efficiency=round(one_fb_ms / P / max(per_fb), 3))
+            elif step == "ws_alone":
+                if a.interpret:
+                    raise RuntimeError("ws_alone's kernels need a GPU (no --interpret)")
+                al = time_alone(tbh, gh, P, Hh, scale, num_sms,
+                                (flat(qc), flat(kc), flat(vc), flat(doc)), a.reps, a.bwd)
+                if ref is not None:
+                    o = al["out"].astype(np.float64).reshape(Hh, -1, D)
+                    got = np.concatenate([o[h][ok] for h in range(Hh)])
+                    want = np.concatenate([r[0] for r in ref])
+                    row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                    if not row["rel_error"] < 2e-2:
+                        raise AssertionError(f"{step}: relative error {row['rel_error']:.3g} "
+                                             f"vs float64 (bf16 bound 2e-2)")
+                per, per_fb = al["ms_per_rank"], al["fb_ms_per_rank"]
+                row.update(ms=round(max(per), 4), ms_per_rank=[round(p, 4) for p in per])
+                if one_ms is not None:
+                    row["efficiency"] = round(one_ms / P / max(per), 3)
+                if per_fb:
+                    row.update(fb_ms=round(max(per_fb), 4),
+                               fb_ms_per_rank=[round(p, 4) for p in per_fb],
                                fb_efficiency=round(one_fb_ms / P / max(per_fb), 3))
             else:
                 f = jax.jit(fns[step][0])

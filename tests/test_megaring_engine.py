@@ -314,6 +314,33 @@ def test_staged_forward_interpret_counts_pairs_once(case, ws):
     assert not np.array_equal(maps[0], maps[1])   # the second run committed in another order
 
 
+def test_staged_compute_of_rank_subsets_interpret():
+    """``staged_compute(ranks=...)`` (each GPU of a mesh alone, the benchmark's ``ws_alone``):
+    the launches of a partition of the ranks write every rank's rows as the whole launch does
+    (each Q tile's tasks in the same order on one CTA: the same sums), in the Mosaic GPU
+    interpreter; bad ``ranks`` are named."""
+    tb, g, d, dtype, ctas = _staged(0)
+    rng = np.random.default_rng(5)
+    rows = g.num_ranks * g.rows
+    q, k, v = (jnp.asarray(rng.standard_normal((rows, d)), dtype) for _ in range(3))
+    sim = ep.simulate(tb, ep.SimConfig(delay="random", seed=7))
+    rk, rv = (me.transfer_launch(x, tb, g, interpret=True) for x in (k, v))
+    run = lambda ranks: me.staged_compute(q, k, v, rk, rv, tb, g, scale=0.2, num_ctas=ctas,  # noqa: E731
+                                          sim=sim, ranks=ranks, interpret=True)
+    whole = [np.asarray(x.astype(jnp.float32)) for x in run(None)]
+    ok = tb.tok_seq.reshape(-1) >= 0
+    parts = ([0], list(range(1, g.num_ranks)))
+    for ranks in parts:
+        got = [np.asarray(x.astype(jnp.float32)) for x in run(ranks)]
+        mine = ok & np.isin(np.arange(rows) // g.rows, ranks)
+        assert mine.any()
+        for a, b in zip(got, whole):
+            np.testing.assert_array_equal(a[mine], b[mine])
+    for bad in ([], [1, 1], [g.num_ranks]):
+        with pytest.raises(ValueError, match="ranks must be distinct"):
+            run(bad)
+
+
 def test_staged_tasks_group_q_tiles():
     tb, g, *_ = _staged(1)
     sim = ep.simulate(tb, ep.SimConfig(seed=0))

@@ -363,6 +363,42 @@ def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
     assert n_full > 0   # the plan has full entries (their masks skipped, the gradients exact)
 
 
+def test_ws_rank_tables_select_queues_and_lower():
+    """``rank_tables``: the selected ranks' queues, in the order given, their bounds, the task
+    array's shape kept (one compiled kernel for every selection); the launch with ``ranks``
+    lowers for sm_90a with ``len(ranks) * ctas_per_rank`` CTAs; bad ``ranks`` are named."""
+    import jax
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    tb, g = plan(3, True)
+    t = bw.ws_tables(eb.build_backward_tables(tb), g, None)
+    off = t["task_off"]
+    sel = [g.num_ranks - 1, 0]
+    r = bw.rank_tables(t, sel)
+    assert r["task"].shape == t["task"].shape and r["ent"] is t["ent"]
+    assert r["task_off"].tolist() == [0, off[-1] - off[-2], off[-1] - off[-2] + off[1]]
+    n = r["task_off"][-1]
+    assert np.array_equal(r["task"][:n], np.concatenate([t["task"][off[-2]:off[-1]],
+                                                         t["task"][:off[1]]]))
+    assert not r["task"][n:].any()
+    every = bw.rank_tables(t, range(g.num_ranks))   # all ranks in order: the tables themselves
+    assert np.array_equal(every["task"], t["task"]) and np.array_equal(every["task_off"], off)
+    for bad in ([], [0, 0], [g.num_ranks], [-1], [0.5]):
+        with pytest.raises(ValueError, match="ranks must be distinct"):
+            bw.rank_tables(t, bad)
+    x = jnp.ones((g.num_ranks * g.rows, 128), jnp.bfloat16)
+    lse = jnp.zeros((x.shape[0],), jnp.float32)
+    with pytest.raises(ValueError, match="ranks: dynamic claims only"):
+        bw.backward_ws(x, x, x, x, lse, x, tb, g, scale=0.1, num_ctas=4, ranks=[0])
+    sd = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    lsd = jax.ShapeDtypeStruct(lse.shape, lse.dtype)
+    rsd = jax.ShapeDtypeStruct((max(g.num_ranks * g.recv_tiles * g.tile_size, g.tile_size),
+                                128), x.dtype)
+    f = jax.jit(lambda q, k, v, o, l, do, rk, rv: bw.backward_ws(
+        q, k, v, o, l, do, tb, g, scale=0.1, ctas_per_rank=3, recv=(rk, rv), ranks=sel))
+    txt = f.trace(sd, sd, sd, sd, lsd, sd, rsd, rsd).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
+
+
 def test_ws_full_entries_keep_every_pair():
     """:func:`full_entries` marks an entry full only when the code mask keeps every pair; the
     tables put each task's full entries first and count them."""

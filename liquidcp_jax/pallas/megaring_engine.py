@@ -848,17 +848,51 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
         raise ValueError(f"transport must be None, EmulatedTransport or PeerTransport; got "
                          f"{type(transport).__name__}")
     _check_forward_inputs(q, k, v, tb, geom)
+    rk = transfer_launch(k, tb, geom, interpret=interpret)
+    rv = transfer_launch(v, tb, geom, interpret=interpret)
+    return staged_compute(q, k, v, rk, rv, tb, geom, scale=scale, num_ctas=num_ctas, sim=sim,
+                          interpret=interpret, profile_dir=profile_dir,
+                          warp_specialized=warp_specialized)
+
+
+def staged_compute(q, k, v, rk, rv, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
+                   num_ctas: int, sim: dict | None = None, ranks=None, interpret: bool = False,
+                   profile_dir: str | None = None, warp_specialized: bool | None = None):
+    """The staged forward's compute launch on emulated ranks (:func:`forward_staged` without its
+    transfers): ``rk, rv`` the receive buffers :func:`transfer_launch` filled. ``ranks``: only
+    the claims of these (virtual) ranks, on all ``num_ctas`` CTAs (default: every rank's). With
+    the virtual ranks of one GPU of a mesh (its rank under every head) this is that GPU's
+    compute with the whole GPU to itself, as on a real mesh; other ranks' rows are left
+    unwritten. The lists are padded to the length of every rank's, so each selection runs the
+    same compiled kernel. Returns ``(out, lse)`` as :func:`forward_staged`."""
+    _check_forward_inputs(q, k, v, tb, geom)
     warp_specialized = _use_ws(warp_specialized, geom, q, profile_dir)
     if sim is None:
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
-    task, task_off = staged_tasks(tb, sim["claims"], num_ctas)
-    rk = transfer_launch(k, tb, geom, interpret=interpret)
-    rv = transfer_launch(v, tb, geom, interpret=interpret)
+    claims = np.asarray(sim["claims"], np.int64).reshape(-1, 4)
+    n_all = len(claims)
+    if ranks is not None:
+        ranks = check_ranks(ranks, geom.num_ranks)
+        owner = tb.seg[claims[:, 0], ep.SF["rank"]] if n_all else np.zeros(0, np.int64)
+        claims = claims[np.isin(owner, ranks)]
+    task, task_off = staged_tasks(tb, claims, num_ctas)
+    task = np.concatenate([task, np.zeros((n_all - len(task), 4), np.int32)])   # shape of all
     call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
                                  profile_dir=profile_trace.check_dir(profile_dir),
                                  warp_specialized=warp_specialized)
     outs = call(*tabs, q, k, v, rk, rv)
     return outs[0], outs[2]
+
+
+def check_ranks(ranks, num_ranks: int) -> np.ndarray:
+    """``ranks`` (distinct ints in ``[0, num_ranks)``, at least one) as an int64 array, or a
+    ValueError naming ``ranks``."""
+    r = np.asarray(ranks)
+    if r.ndim != 1 or r.size == 0 or r.dtype.kind not in "iu" or len(set(r.tolist())) != r.size \
+            or r.min() < 0 or r.max() >= num_ranks:
+        raise ValueError(f"ranks must be distinct (virtual) ranks in [0, {num_ranks}), at least "
+                         f"one; got {ranks!r}")
+    return r.astype(np.int64)
 
 
 def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,

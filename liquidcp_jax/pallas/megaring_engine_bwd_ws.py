@@ -59,6 +59,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from liquidcp_jax.megaring import engine_backward as eb
 from liquidcp_jax.megaring import engine_protocol as ep
+from liquidcp_jax.pallas import megaring_engine as me
 from liquidcp_jax.pallas import megaring_engine_bwd as mbs
 from liquidcp_jax.pallas import megaring_engine_bwd_fused as mbf
 from liquidcp_jax.pallas import megaring_sync as msync
@@ -459,9 +460,25 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                         compiler_params=plgpu.CompilerParams(approx_math=True, **profile))
 
 
+def rank_tables(t: dict, ranks) -> dict:
+    """Dynamic-claim tables (:func:`ws_tables` with ``num_ctas`` None) with only the queues of
+    ``ranks`` (virtual ranks; the launch's rank ``i`` claims ``ranks[i]``'s queue). The task
+    rows keep their shape (the rest is zero rows no bound reaches), so every selection runs the
+    same compiled kernel."""
+    off = np.asarray(t["task_off"], np.int64)
+    ranks = me.check_ranks(ranks, len(off) - 1)
+    rows = [t["task"][off[r]:off[r + 1]] for r in ranks.tolist()]
+    task = np.zeros_like(t["task"])
+    n = sum(len(x) for x in rows)
+    if n:
+        task[:n] = np.concatenate(rows)
+    new_off = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(np.int32)
+    return {"task": task, "task_off": new_off, "ent": t["ent"]}
+
+
 def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, *, scale: float,
                 ctas_per_rank: int | None = None, num_ctas: int | None = None, recv=None,
-                profile_dir: str | None = None, tables: dict | None = None):
+                profile_dir: str | None = None, tables: dict | None = None, ranks=None):
     """dQ, dK, dV ``[P * C, D]`` (``q.dtype``) of the engine's attention on emulated ranks, on
     three warpgroups (module docstring; GPU only). Exactly one of ``ctas_per_rank`` (dynamic
     claims, ``P * ctas_per_rank`` CTAs) and ``num_ctas`` (static lists) is given; other arguments
@@ -469,7 +486,12 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
     ``(rk, rv)``, default a transfer launch of ``k`` and ``v``). ``profile_dir``: Mosaic GPU's
     profiler records the :data:`PROFILE_REGIONS` of every warpgroup and writes a Chrome trace
     there after each launch (:func:`profile_breakdown` reads it). ``tables``: the launch's
-    :func:`ws_tables` for these claims (default: built from ``tb``, longest first)."""
+    :func:`ws_tables` for these claims (default: built from ``tb``, longest first). ``ranks``
+    (dynamic claims): only these (virtual) ranks' tasks, ``ctas_per_rank`` CTAs each
+    (:func:`rank_tables`); with the virtual ranks of one GPU of a mesh (its rank under every
+    head) and all the SMs, that GPU's backward as on a real mesh. The other ranks' contributions
+    are not computed: the three results are partial (the sum over a partition of the ranks is
+    the whole)."""
     mbs._check_inputs(q, k, v, out, lse, do, tb, geom, scale, False)
     profile_dir = profile_trace.check_dir(profile_dir)
     why = unsupported(geom.tile_size, int(q.shape[1]), q.dtype)
@@ -484,6 +506,8 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
                 ctas_per_rank < 1):
             raise ValueError(f"ctas_per_rank must be an int >= 1; got {ctas_per_rank!r}")
         G = geom.num_ranks * int(ctas_per_rank)
+    elif ranks is not None:
+        raise ValueError("ranks: dynamic claims only (give ctas_per_rank, not num_ctas)")
     if not dynamic:
         G = int(num_ctas)
     if tables is None:
@@ -495,12 +519,18 @@ def backward_ws(q, k, v, out, lse, do, tb: ep.EngineTables, geom: RingGeometry, 
                 np.shape(t["task_off"]) != (n_off,)):
             raise ValueError(f"tables must be ws_tables(...) for these claims ({n_off} queue / "
                              f"list bounds); got {type(t).__name__}")
+    skip_full = bool((t["task"][:, WT["ent_full"]] > 0).any())   # before a selection: one kernel
+    n_ranks = geom.num_ranks
+    if ranks is not None:
+        t = rank_tables(t, ranks)
+        n_ranks = len(t["task_off"]) - 1
+        G = n_ranks * int(ctas_per_rank)
     code, span = fwd_ws.token_codes(tb.tok_seq, tb.tok_pos)
     (rk, rv), (do_, delta, lse2), acc = mbs.reduce_add_inputs(q, k, v, out, lse, do, tb, geom,
                                                               recv)
-    call = build(G, geom.num_ranks, q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal),
+    call = build(G, n_ranks, q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal),
                  float(scale), span, dynamic, profile_dir=profile_dir,
-                 skip_full=bool((t["task"][:, WT["ent_full"]] > 0).any()))
+                 skip_full=skip_full)
     pad = mbs.table_arg
     call(pad(t["task"]), pad(t["task_off"]), pad(t["ent"]), jnp.asarray(code), q, k, v, do_,
          lse2, delta, rk, rv, *acc)
