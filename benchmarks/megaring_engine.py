@@ -36,9 +36,8 @@ Efficiency, issue 25's measure: the one-step time of the whole batch on this GPU
 (``varlen_attention``, every sequence local) over ``P`` times the slowest rank (segment ring) or
 over the launch time (the engine steps: all ``P`` ranks share the GPU in one launch, each with
 ``1 / P`` of the SMs, so the launch's time is ``P`` times a rank's on its own GPU; they also
-share one L2 and HBM: ``ws_alone`` gives a rank the whole GPU, as the segment ring's rows
-do). The one-step
-time is measured before and after a case's steps and the faster of the two counts.
+share one L2 and HBM: ``ws_alone`` gives a rank the whole GPU, as the segment ring's rows do).
+The one-step time is measured before and after a case's steps and the faster of the two counts.
 
     python -m benchmarks.megaring_engine [--cases freelaw:64K:8,pilecc:64K:4] [--heads 4]
         [--steps fused_ws,staged_ws,fused_ws_masked,...] [--reps 10] [--budget-s S] [--out PATH]
@@ -251,6 +250,31 @@ def time_alone(tb, geom, P: int, heads: int, scale: float, num_sms: int, args, r
     return {"ms_per_rank": per, "fb_ms_per_rank": per_fb, "out": out}
 
 
+def check_out(row: dict, step: str, out, ref, ok, heads: int, D: int) -> None:
+    """``row["rel_error"]`` of ``out`` (``[heads * P * C, D]``, virtual rank ``h * P + r``) on
+    the sampled rows ``ok`` vs the float64 ``ref`` ((out, lse) per head); an AssertionError
+    above the bf16 bound."""
+    o = np.asarray(out, np.float64).reshape(heads, -1, D)
+    got = np.concatenate([o[h][ok] for h in range(heads)])
+    want = np.concatenate([r[0] for r in ref])
+    row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    if not row["rel_error"] < 2e-2:
+        raise AssertionError(f"{step}: relative error {row['rel_error']:.3g} vs float64 "
+                             f"(bf16 bound 2e-2)")
+
+
+def per_rank_row(row: dict, per, per_fb, one_ms, one_fb_ms, P: int) -> None:
+    """A per-rank step's timings into ``row``: the slowest rank's forward (and forward+backward)
+    ms, each rank's, and the efficiencies against ``one_ms`` / ``one_fb_ms`` (None: not timed)."""
+    row.update(ms=round(max(per), 4), ms_per_rank=[round(p, 4) for p in per])
+    if one_ms is not None:
+        row["efficiency"] = round(one_ms / P / max(per), 3)
+    if per_fb:
+        row.update(fb_ms=round(max(per_fb), 4), fb_ms_per_rank=[round(p, 4) for p in per_fb])
+        if one_fb_ms is not None:
+            row["fb_efficiency"] = round(one_fb_ms / P / max(per_fb), 3)
+
+
 def measure(case: H.Case, a, num_sms: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -279,7 +303,7 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
             "tau_max": a.task_tiles, "comm_per_rank": a.comm,
             "one_tile_tasks": ep.one_tile_tasks(tb)}
     rows = []
-    one_ms = None
+    one_ms = one_fb_ms = None
     if not a.interpret:
         sg = A.seg_arrays(lengths)
         one = jax.jit(lambda q, k, v: api.varlen_attention(q, k, v, *sg, causal=True,
@@ -342,45 +366,20 @@ def measure(case: H.Case, a, num_sms: int) -> list[dict]:
                     got = np.concatenate(outs).astype(np.float64)[ok].transpose(1, 0, 2)
                     want = np.stack([r[0] for r in ref])
                     row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                ms = max(per)
-                row.update(ms=round(ms, 4), ms_per_rank=[round(p, 4) for p in per])
-                if one_ms is not None:
-                    row["efficiency"] = round(one_ms / P / ms, 3)
-                if per_fb:
-                    row.update(fb_ms=round(max(per_fb), 4),
-                               fb_efficiency=round(one_fb_ms / P / max(per_fb), 3))
+                per_rank_row(row, per, per_fb, one_ms, one_fb_ms, P)
             elif step == "ws_alone":
                 if a.interpret:
                     raise RuntimeError("ws_alone's kernels need a GPU (no --interpret)")
                 al = time_alone(tbh, gh, P, Hh, scale, num_sms,
                                 (flat(qc), flat(kc), flat(vc), flat(doc)), a.reps, a.bwd)
                 if ref is not None:
-                    o = al["out"].astype(np.float64).reshape(Hh, -1, D)
-                    got = np.concatenate([o[h][ok] for h in range(Hh)])
-                    want = np.concatenate([r[0] for r in ref])
-                    row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                    if not row["rel_error"] < 2e-2:
-                        raise AssertionError(f"{step}: relative error {row['rel_error']:.3g} "
-                                             f"vs float64 (bf16 bound 2e-2)")
-                per, per_fb = al["ms_per_rank"], al["fb_ms_per_rank"]
-                row.update(ms=round(max(per), 4), ms_per_rank=[round(p, 4) for p in per])
-                if one_ms is not None:
-                    row["efficiency"] = round(one_ms / P / max(per), 3)
-                if per_fb:
-                    row.update(fb_ms=round(max(per_fb), 4),
-                               fb_ms_per_rank=[round(p, 4) for p in per_fb],
-                               fb_efficiency=round(one_fb_ms / P / max(per_fb), 3))
+                    check_out(row, step, al["out"], ref, ok, Hh, D)
+                per_rank_row(row, al["ms_per_rank"], al["fb_ms_per_rank"], one_ms, one_fb_ms, P)
             else:
                 f = jax.jit(fns[step][0])
                 o, _ = jax.block_until_ready(f(flat(qc), flat(kc), flat(vc)))
                 if ref is not None:
-                    o = np.asarray(o.astype(jnp.float32), np.float64).reshape(Hh, -1, D)
-                    got = np.concatenate([o[h][ok] for h in range(Hh)])
-                    want = np.concatenate([r[0] for r in ref])   # (out, lse) per head
-                    row["rel_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                    if not row["rel_error"] < 2e-2:
-                        raise AssertionError(f"{step}: relative error {row['rel_error']:.3g} "
-                                             f"vs float64 (bf16 bound 2e-2)")
+                    check_out(row, step, np.asarray(o.astype(jnp.float32)), ref, ok, Hh, D)
                 if not a.interpret:
                     ms = H.time_fn(f, flat(qc), flat(kc), flat(vc), reps=a.reps).median_ms
                     row["ms"] = round(ms, 4)
