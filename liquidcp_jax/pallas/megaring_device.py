@@ -77,6 +77,34 @@ def relay_and_insert(i, B: int, rows_ref, delay_ref, xins_ref, kv, recv, bufs, x
     insert_tile(i, xins_ref, sm, scr)
 
 
+def relay_pipelined(i0, i1, B: int, rows_ref, delay_ref, xins_ref, kv, recv, bufs, xbar,
+                    sm: Streams, scr):
+    """A worker's transfers ``i0 .. i1 - 1`` as :func:`relay_and_insert`, through two SMEM
+    stages: ``bufs = (k_bufs, v_bufs)`` with a leading stage axis of at least 2, ``xbar`` four
+    barriers (``2 * stage + {0: K, 1: V}``). Transfer ``i + 1`` loads while transfer ``i`` is
+    stored and inserted (its loads' latency off the relay's critical path); the inserts stay in
+    host order. A stage is reloaded only after its previous store was waited for (before that
+    transfer's insert)."""
+    def load(i, s):
+        pl.when(delay_ref[i] > 0)(lambda: pl.delay(delay_ref[i]))
+        src = pl.multiple_of(rows_ref[i, 0], 8)
+        for j, s_ref in enumerate(kv):
+            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(src, B)], bufs[j].at[s], xbar.at[2 * s + j])
+
+    pl.when(i0 < i1)(lambda: load(i0, 0))
+
+    @pl.loop(i0, i1)
+    def _(i):
+        s = lax.rem(i - i0, 2)
+        dst = pl.multiple_of(rows_ref[i, 1], 8)
+        pl.when(i + 1 < i1)(lambda: load(i + 1, 1 - s))
+        for j, d_ref in enumerate(recv):
+            plgpu.barrier_wait(xbar.at[2 * s + j])
+            plgpu.copy_smem_to_gmem(bufs[j].at[s], d_ref.at[pl.ds(dst, B)])
+        plgpu.wait_smem_to_gmem(0)   # K and V fully written (and stage s free): insert the tile
+        insert_tile(i, xins_ref, sm, scr)
+
+
 def insert_tile(i, xins_ref, sm: Streams, scr):
     """Inserts the tile of transfer ``i`` (``xins_ref[i]``: receive slot, first insert, inserts;
     its rows already written) into each of its streams: reserve the next slot of the insert's

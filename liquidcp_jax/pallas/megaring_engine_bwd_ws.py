@@ -226,25 +226,26 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
             def load_task(k, cnt, t):
                 """Task ``t``'s K, V and key codes (once task ``k - 1`` released them), then the
                 query side of its steps ``cnt ..`` (each once its ring slot is free)."""
-                pl.when(k > 0)(lambda: plgpu.barrier_wait(kv_free))
+                # table reads first: their latency overlaps the waits they do not depend on
                 kv = pl.ds(pl.multiple_of(task_ref[t, WT["kv_row"]], 8), B)
                 remote = task_ref[t, WT["remote"]] != 0
+                crow = pl.multiple_of(task_ref[t, WT["code_row"]], 8)
+                e0 = task_ref[t, WT["ent_start"]]
+                pl.when(k > 0)(lambda: plgpu.barrier_wait(kv_free))
                 for src_k, src_v, when in ((k_ref, v_ref, ~remote), (rk_ref, rv_ref, remote)):
                     @pl.when(when)
                     def _(src_k=src_k, src_v=src_v):
                         plgpu.copy_gmem_to_smem(src_k.at[kv], k_s, k_bar)
                         plgpu.copy_gmem_to_smem(src_v.at[kv], v_s, v_bar)
 
-                crow = pl.multiple_of(task_ref[t, WT["code_row"]], 8)
                 plgpu.copy_gmem_to_smem(code_ref.at[pl.ds(crow, B)], kc_s, k_bar)
-                e0 = task_ref[t, WT["ent_start"]]
 
                 @pl.loop(0, 2 * task_ref[t, WT["ent_count"]])
                 def _(x):
                     slot = lax.rem(cnt + x, jnp.int32(mcs))
+                    qrow = ent_ref[e0 + x // 2, 0] + lax.rem(x, 2) * _H   # before the wait
                     # one wait per refill: the slot's previous step was consumed by both
                     pl.when(cnt + x >= mcs)(lambda: release.wait(slot))
-                    qrow = ent_ref[e0 + x // 2, 0] + lax.rem(x, 2) * _H
                     rows = pl.ds(pl.multiple_of(qrow, 8), _H)
                     for src, dst in ((q_ref, q_s), (code_ref, qc_s), (lse_ref, lse_s)):
                         plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], q_bar.at[slot])
@@ -366,11 +367,12 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                     return dk, dv
 
                 def run_task(cnt, t):
+                    e0, ne = task_ref[t, WT["ent_start"]], task_ref[t, WT["ent_count"]]
+                    nf = task_ref[t, WT["ent_full"]] if skip_full else None
                     with jax.named_scope(BWD_WAIT):
                         plgpu.barrier_wait(k_bar)
                         plgpu.barrier_wait(v_bar)
                     kc = plgpu.load(kc_s.at[mine], layout=row_l)
-                    e0, ne = task_ref[t, WT["ent_start"]], task_ref[t, WT["ent_count"]]
 
                     def entry(masked, e, carry):
                         dk, dv = carry
@@ -391,7 +393,7 @@ def build(G: int, P: int, D: int, dtype_name: str, causal: bool, scale: float, s
                     with jax.named_scope(BWD_STEPS):   # the full entries first (ws_tables)
                         dk, dv, e1 = zero, zero, e0
                         if skip_full:
-                            e1 = e0 + task_ref[t, WT["ent_full"]]
+                            e1 = e0 + nf
                             dk, dv = lax.fori_loop(e0, e1, functools.partial(entry, False),
                                                    (dk, dv))
                         dk, dv = lax.fori_loop(e1, e0 + ne, functools.partial(entry, True),

@@ -174,15 +174,20 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                 """Task ``k``: segment ``j``, tiles [c0, e0), ``prev`` merged before."""
                 mailbox.post(k, (j, c0, e0, prev))
 
-            def issue(j, i, slot, pscr):
-                """TMA loads of segment ``j``'s logical tile ``i`` into ring slot ``slot``: K and
-                its keys' codes on ``k_bar`` (2 copies), V on ``v_bar``."""
-                rk_j = seg_ref[j, sf["rank"]]
-                nl, ls = seg_ref[j, sf["n_local"]], seg_ref[j, sf["local_start"]]
+            def segment_of(j):
+                """Segment ``j``'s fields every tile load needs (read once per task)."""
                 strm = jnp.maximum(seg_ref[j, sf["stream"]], 0)
+                return (seg_ref[j, sf["rank"]], seg_ref[j, sf["n_local"]],
+                        seg_ref[j, sf["local_start"]], st_ref[strm, 2])
+
+            def source_of(seg, i, pscr):
+                """Where segment ``seg``'s logical tile ``i`` is: ``(local, K / V row, codes
+                row)``; GMEM reads, so it runs before the ring-slot wait (the loads' latency
+                overlaps the wait instead of following it)."""
+                rk_j, nl, ls, m0 = seg
                 local = i < nl
                 b = seg_local_ref[ls + jnp.minimum(i, nl - 1) * local.astype(jnp.int32)]
-                mpos = st_ref[strm, 2] + jnp.maximum(i - nl, 0)
+                mpos = m0 + jnp.maximum(i - nl, 0)
                 if staged:
                     rslot = smap_ref[mpos] - 1
                 else:   # released by the insert before the publish that made the tile claimable
@@ -191,8 +196,13 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                 lrow = rk_j * C + b * B
                 rrow = (rk_j * R + rslot) * B
                 meta = jnp.where(local, lrow, slot_src_ref[rk_j * R + rslot])
-                for src_k, src_v, row, when in ((k_ref, v_ref, lrow, local),
-                                                (rk_ref, rv_ref, rrow, ~local)):
+                return local, jnp.where(local, lrow, rrow), meta
+
+            def issue(src, slot):
+                """TMA loads of a tile (:func:`source_of`) into ring slot ``slot``: K and its
+                keys' codes on ``k_bar`` (2 copies), V on ``v_bar``."""
+                local, row, meta = src
+                for src_k, src_v, when in ((k_ref, v_ref, local), (rk_ref, rv_ref, ~local)):
                     @pl.when(when)
                     def _():
                         rows = pl.ds(pl.multiple_of(row, 8), B)
@@ -204,9 +214,11 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
             def load_task(k, cnt, j, c0, e0, pscr):
                 """Task ``k``'s Q halves (once task ``k - 1`` released Q) and its KV tiles (the
-                CTA's tiles ``cnt ..``, each once its ring slot is free)."""
+                CTA's tiles ``cnt ..``, each once its ring slot is free). Table reads come
+                before the waits they do not depend on."""
+                seg = segment_of(j)
+                qrow0 = seg[0] * C + seg_ref[j, sf["q_tile"]] * B
                 pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free))
-                qrow0 = seg_ref[j, sf["rank"]] * C + seg_ref[j, sf["q_tile"]] * B
                 for w in range(2):
                     rows = pl.ds(pl.multiple_of(qrow0 + w * _BQ, 8), _BQ)
                     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem2.at[w], q_bar.at[w])
@@ -214,7 +226,8 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
                 @pl.loop(c0, e0)
                 def _(i):
-                    issue(j, i, acquire_slot(cnt + i - c0, mcs, k_release, v_release), pscr)
+                    src = source_of(seg, i, pscr)
+                    issue(src, acquire_slot(cnt + i - c0, mcs, k_release, v_release))
 
             def teardown(k, cnt):
                 """Observe the last consumptions (every barrier phase seen before exit): ring
@@ -254,18 +267,17 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
             # ------------------------------------------------------------------ fused only
             def communicate(is_worker, pscr):
-                """A worker's transfers in host order, each inserted once K and V are written
-                (through ring slot 0, free until the first task): :mod:`megaring_device`."""
+                """A worker's transfers in host order, each inserted once K and V are written,
+                pipelined through ring slots 0 and 1 (free until the first task):
+                :func:`megaring_device.relay_pipelined`."""
                 cw = jnp.minimum(c, P * W - 1)
                 i0 = jnp.where(is_worker, off_ref[cw], 0)
                 i1 = jnp.where(is_worker, off_ref[cw + 1], 0)
 
-                @pl.loop(i0, i1)
-                def _(i):
-                    dev.relay_and_insert(
-                        i, B, rows_ref, delay_ref, xins_ref, (k_ref, v_ref), (rk_ref, rv_ref),
-                        (k_smem.at[0], v_smem.at[0]), xbar,
-                        dev.Streams(reserve, publish, dev_map, map_out_ref, ins_ref, st_ref), pscr)
+                dev.relay_pipelined(
+                    i0, i1, B, rows_ref, delay_ref, xins_ref, (k_ref, v_ref), (rk_ref, rv_ref),
+                    (k_smem, v_smem), xbar,
+                    dev.Streams(reserve, publish, dev_map, map_out_ref, ins_ref, st_ref), pscr)
 
             def claim_loop(rank, pscr):
                 """Claims until the rank's tiles are all claimed; each claimed task is posted and
@@ -284,9 +296,10 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
 
                     @pl.when(won)
                     def _():
-                        msync.fetch_add(at(claimed, rank), pscr, e0 - c0)
                         post(k, j, c0, e0, 0)
                         load_task(k, cnt, j, c0, e0, pscr)
+                        # termination count only: after the loads, off their critical path
+                        msync.fetch_add(at(claimed, rank), pscr, e0 - c0)
 
                     got = msync.load_acquire(at(claimed, rank), pscr)
                     return ((got >= rank_total_ref[rank]).astype(jnp.int32),
@@ -463,7 +476,7 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
             plgpu.Barrier(num_arrivals=2, num_barriers=2),            # task_free
             plgpu.Barrier(num_barriers=2),                            # turn
             plgpu.Barrier(num_barriers=4),                            # s_bar (per warpgroup)
-            plgpu.Barrier(num_barriers=2),                            # xbar (transfers)
+            plgpu.Barrier(num_barriers=4),                            # xbar (transfers)
             plgpu.Barrier(num_arrivals=2),                            # sched (interpreter)
             collective_axes="wg")
 
