@@ -121,7 +121,8 @@ def test_forward_matches_float64(rng, plan, ctas):
 
 def _check_vs_float64(run, tb, q, k, v, d):
     """``run(q) -> (out, lse)`` on NaN queries first (a row left unwritten stays NaN), then on
-    ``q``: out within 2e-2 relative and LSE within 2e-2 of float64 on every valid row."""
+    ``q``: out within 2e-2 relative and LSE within 2e-2 of float64 on every valid row. Returns
+    ``run(q)``."""
     jax.block_until_ready(run(q * jnp.nan))   # poison
     out, lse = jax.block_until_ready(run(q))
     ro, rl = _ref(tb, q, k, v, d ** -0.5)
@@ -131,6 +132,7 @@ def _check_vs_float64(run, tb, q, k, v, d):
     err = np.linalg.norm(o - ro[ok]) / np.linalg.norm(ro[ok])
     assert err < 2e-2, err
     np.testing.assert_allclose(np.asarray(lse)[ok], rl[ok], atol=2e-2)
+    return out, lse
 
 
 @pytest.mark.parametrize("plan", range(len(FWD_PLANS)))
@@ -211,3 +213,34 @@ def test_ws_forward_counts_every_pair_once_under_perturbed_arrivals(rng, plan):
         _, lse = jax.block_until_ready(me.forward_launch(z, k, v, tb, g, scale=0.1, ctas_per_rank=3,
                                                          delay_ns=delays, warp_specialized=True))
         np.testing.assert_allclose(np.asarray(lse)[ok], np.log(pos + 1.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("plan", range(len(WS_PLANS)))
+def test_ws_peer_compute_launch_matches_emulated(rng, plan):
+    """The real mesh's compute launch on three warpgroups (``peer_compute_launch``: one rank's own
+    rows and receive buffers, task lists ``rank * K + c``; it reads only local memory, so each
+    rank's launch runs here with its rank as an int) writes exactly the emulated staged
+    forward's rows (same claims and commit order), NaN queries first, then float64."""
+    from liquidcp_jax.pallas import megaring_transport as mt
+    tb, g = _plan(*WS_PLANS[plan], 2)[1:]
+    n, rows, d, ctas = g.num_ranks, g.num_ranks * g.rows, 128, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16) for _ in range(3))
+    sim = ep.simulate(tb, ep.SimConfig(delay="random", seed=int(rng.integers(1 << 30))))
+    rk, rv = (me.transfer_launch(x, tb, g) for x in (k, v))
+    tr = mt.PeerTransport(g, "cp")
+    split = lambda x: jnp.split(x, n)  # noqa: E731
+
+    def run(qx):
+        outs = [me.peer_compute_launch(*a, tb, tr, scale=d ** -0.5, num_ctas=ctas, sim=sim,
+                                       rank=r, warp_specialized=True)
+                for r, a in enumerate(zip(*map(split, (qx, k, v, rk, rv))))]
+        return tuple(jnp.concatenate(x) for x in zip(*outs))
+
+    eo, el = me.forward_staged(q, k, v, tb, g, scale=d ** -0.5, num_ctas=ctas, sim=sim,
+                               warp_specialized=True)
+    po, plse = _check_vs_float64(run, tb, q, k, v, d)
+    ok = tb.tok_seq.reshape(-1) >= 0
+    f32 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32))  # noqa: E731
+    # the same tasks in the same order per Q tile: the same sums
+    np.testing.assert_array_equal(f32(po)[ok], f32(eo)[ok])
+    np.testing.assert_array_equal(np.asarray(plse)[ok], np.asarray(el)[ok])

@@ -136,11 +136,12 @@ def test_table_loaded_peer_id_cannot_lower():
         f.trace(sd).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_peer_forward_staged_lowers_for_sm90(n, mosaic_modules):
+@pytest.mark.parametrize("n,B", [(2, 64), (4, 64), (8, 64), (4, 128)])
+def test_peer_forward_staged_lowers_for_sm90(n, B, mosaic_modules):
     """The staged forward of one rank per device: two peer transfer launches (K, V), the fence,
-    the compute launch over local rows (no peer memory)."""
-    tb, g = _peer_tables(n)
+    the compute launch over local rows (no peer memory): one warpgroup at tiles of 64, three
+    (``megaring_engine_ws``, one CTA of 384 threads) at tiles of 128."""
+    tb, g = _peer_tables(n, B)
     tr = mt.PeerTransport(g, "cp")
     mesh = _mesh(n)
     f = lambda q, k, v: me.forward_staged(q, k, v, tb, g, scale=0.1, num_ctas=4,  # noqa: E731
@@ -153,29 +154,33 @@ def test_peer_forward_staged_lowers_for_sm90(n, mosaic_modules):
     # transfers through peer memory (K's and V's launches lower to one module); the compute
     # launch is local only (its rank an input)
     assert ["collective_metadata_used" in m for m in mosaic_modules] == [True, False]
+    threads = re.search(r"threads\([^)]*\) in \(%\w+ = %c(\d+),", mosaic_modules[1]).group(1)
+    assert threads == ("384" if B == 128 else "128")
 
 
-@pytest.mark.parametrize("case", range(len(STAGED_CASES)))
-def test_peer_compute_interpret_matches_emulated(rng, case):
+# (staged case, kernel): one warpgroup (tiles of 64 and 128), three warpgroups (tiles of 128)
+@pytest.mark.parametrize("case,ws", [(0, False), (1, False), (1, True)])
+def test_peer_compute_interpret_matches_emulated(rng, case, ws):
     """The peer compute launch of every rank (its own rows, its receive buffers, task lists
-    ``rank * K + c``) equals the emulated staged forward (same claims, same commit order) and
-    float64 on every valid row. One rank at a time: the jax 0.11.2 interpreter fails any
-    mbarrier kernel under a multi-device shard_map ("Barrier remains allocated at key
-    HostAllocationKey(..., device_id=1, ...)") and leaves its shared state broken after."""
+    ``rank * K + c``) equals the emulated staged forward of the same kernel (same claims, same
+    commit order) and float64 on every valid row. One rank at a time: the jax 0.11.2
+    interpreter fails any mbarrier kernel under a multi-device shard_map ("Barrier remains
+    allocated at key HostAllocationKey(..., device_id=1, ...)") and leaves its shared state
+    broken after."""
     tb, g, d, dtype, ctas = _staged(case)
     n = g.num_ranks
     rows = n * g.rows
     q, k, v = (jnp.asarray(rng.standard_normal((rows, d)), dtype) for _ in range(3))
     sim = ep.simulate(tb, ep.SimConfig(delay="random", seed=int(rng.integers(1 << 30))))
     eo, el = me.forward_staged(q, k, v, tb, g, scale=d ** -0.5, num_ctas=ctas, sim=sim,
-                               interpret=True, warp_specialized=False)   # the peer's kernel
+                               interpret=True, warp_specialized=ws)
     # the peer transfer cannot run in the interpreter: its receive buffers from the emulated one
     rk, rv = (me.transfer_launch(x, tb, g, interpret=True) for x in (k, v))
     assert rk.shape[0] == n * g.recv_tiles * g.tile_size
     tr = mt.PeerTransport(g, "cp")
     split = lambda x: jnp.split(x, n)  # noqa: E731
     outs = [me.peer_compute_launch(*a, tb, tr, scale=d ** -0.5, num_ctas=ctas, sim=sim,
-                                   interpret=True, rank=r)
+                                   interpret=True, rank=r, warp_specialized=ws)
             for r, a in enumerate(zip(*map(split, (q, k, v, rk, rv))))]
     po, plse = (jnp.concatenate(x) for x in zip(*outs))
     ok = tb.tok_seq.reshape(-1) >= 0

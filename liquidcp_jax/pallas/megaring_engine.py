@@ -44,7 +44,8 @@ TMA-loads each remote tile from ``remote_ref(kv, {axis: rank ^ t})`` into its ow
 :func:`peer_fence` (a psum over the axis, then an ``optimization_barrier``) orders every rank's
 transfers before any compute launch and keeps each rank's K / V alive while peers read them; the
 compute launch (:func:`peer_compute_launch`) is the staged one over local rows (the rank an
-input, no peer memory). The backward: ``megaring_engine_bwd.peer_backward_rank`` /
+input, no peer memory), on three warpgroups (:mod:`megaring_engine_ws`) where that kernel can
+run, as on emulated ranks. The backward: ``megaring_engine_bwd.peer_backward_rank`` /
 ``peer_return``. Lowered for sm_90a on the CPU; never run on GPUs.
 
 Status: the fused and staged forward pass their GPU tests on emulated ranks (float64
@@ -746,16 +747,18 @@ def forward_launch(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
 
 
 def _ws_compute(tb, geom, t, num_ctas: int, q, scale, staged: bool = False,
-                interpret: bool = False, profile_dir: str | None = None):
-    """The three-warpgroup compute launch (``num_ctas``: per rank fused, in all staged) and its
-    table arguments (``t``: :func:`forward_tables` with ``delay``, plus the staged lists);
-    ``profile_dir``: its profile (:func:`megaring_engine_ws.profile_breakdown`)."""
+                interpret: bool = False, profile_dir: str | None = None,
+                peer_axis: str | None = None):
+    """The three-warpgroup compute launch (``num_ctas``: per rank fused, in all staged; with
+    ``peer_axis`` per device) and its table arguments (``t``: :func:`forward_tables` with
+    ``delay``, plus the staged lists); ``profile_dir``: its profile
+    (:func:`megaring_engine_ws.profile_breakdown`)."""
     t = ws.ws_tables(tb, t)
     call = ws.build(geom.num_ranks, tb.comm_per_rank, num_ctas, geom.tiles,
                     max(geom.recv_tiles, 1), int(q.shape[1]), jnp.dtype(q.dtype).name,
                     float(scale), max(len(tb.stream), 1), max(tb.map_size, 1),
                     max(len(tb.seg), 1), t["span"], staged=staged, interpret=bool(interpret),
-                    profile_dir=profile_dir)
+                    profile_dir=profile_dir, peer_axis=peer_axis)
     names = ws.WS_TABLES + (("task", "task_off", "smap") if staged else ())
     return call, tuple(jnp.asarray(t[name]) for name in names)
 
@@ -841,9 +844,8 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     ``warp_specialized`` (emulated ranks): the three-warpgroup compute launch, as there (the peer
     transport runs the one-warpgroup launch)."""
     if isinstance(transport, PeerTransport):
-        if warp_specialized:
-            raise ValueError("warp_specialized=True: emulated ranks only (no peer transport yet)")
-        return _forward_staged_peer(q, k, v, tb, transport, scale=scale, num_ctas=num_ctas, sim=sim)
+        return _forward_staged_peer(q, k, v, tb, transport, scale=scale, num_ctas=num_ctas, sim=sim,
+                                    warp_specialized=warp_specialized)
     if transport is not None and not isinstance(transport, EmulatedTransport):
         raise ValueError(f"transport must be None, EmulatedTransport or PeerTransport; got "
                          f"{type(transport).__name__}")
@@ -907,7 +909,7 @@ def _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret
     if warp_specialized:
         return _ws_compute(tb, geom, dict(t, task=pad(task), task_off=task_off, smap=smap),
                            int(num_ctas), q, scale, staged=True, interpret=interpret,
-                           profile_dir=profile_dir)
+                           profile_dir=profile_dir, peer_axis=peer_axis)
     call = _build_forward(geom.num_ranks, tb.comm_per_rank, int(num_ctas), geom.tiles,
                           geom.tile_size, max(geom.recv_tiles, 1), int(q.shape[1]),
                           jnp.dtype(q.dtype).name, float(scale), max(len(tb.stream), 1),
@@ -933,26 +935,30 @@ def peer_staged_tasks(tb: ep.EngineTables, claims: np.ndarray, num_ctas: int):
             np.concatenate(offs).astype(np.int32))
 
 
-def _forward_staged_peer(q, k, v, tb, tr: PeerTransport, *, scale, num_ctas, sim):
+def _forward_staged_peer(q, k, v, tb, tr: PeerTransport, *, scale, num_ctas, sim,
+                         warp_specialized=None):
     _check_forward_inputs(q, k, v, tb, tr.geom, rows=tr.geom.rows)
     rk = transfer_launch(k, tb, tr.geom, transport=tr)
     rv = transfer_launch(v, tb, tr.geom, transport=tr)
     k, v, rk, rv = peer_fence(tr.axis_name, (rk, rv), k, v)
-    return peer_compute_launch(q, k, v, rk, rv, tb, tr, scale=scale, num_ctas=num_ctas, sim=sim)
+    return peer_compute_launch(q, k, v, rk, rv, tb, tr, scale=scale, num_ctas=num_ctas, sim=sim,
+                               warp_specialized=warp_specialized)
 
 
 def peer_compute_launch(q, k, v, rk, rv, tb: ep.EngineTables, tr: PeerTransport, *,
                         scale: float, num_ctas: int, sim: dict | None = None,
-                        interpret: bool = False, rank=None):
+                        interpret: bool = False, rank=None, warp_specialized: bool | None = None):
     """The staged forward's compute launch for one rank of a real mesh (inside ``jax.shard_map``
     over ``tr.axis_name``): ``q, k, v [C, D]`` the rank's own rows, ``rk, rv [max(R * B, B), D]``
     its filled receive buffers (:func:`transfer_launch` with ``tr``, after :func:`peer_fence`).
     Reads only local memory. ``rank``: default ``lax.axis_index(tr.axis_name)`` (XLA, outside the
     kernel); an int runs rank ``rank``'s launch anywhere, e.g. in the Mosaic GPU interpreter
-    (``interpret=True``) on one device. Returns ``(out [C, D], lse [C] f32)`` (rows of padding
-    and of Q tiles without work left unwritten)."""
+    (``interpret=True``) on one device. ``warp_specialized``: the three-warpgroup kernel
+    (:mod:`megaring_engine_ws`; default where it can run, as :func:`forward_staged`'s). Returns
+    ``(out [C, D], lse [C] f32)`` (rows of padding and of Q tiles without work left unwritten)."""
     geom = tr.geom
     _check_forward_inputs(q, k, v, tb, geom, rows=geom.rows)
+    warp_specialized = _use_ws(warp_specialized, geom, q, None)
     want = (max(geom.recv_tiles * geom.tile_size, geom.tile_size), q.shape[1])
     if rk.shape != want or rv.shape != want:
         raise ValueError(f"rk, rv must be the rank's receive buffers {want}; got {rk.shape}, {rv.shape}")
@@ -960,7 +966,7 @@ def peer_compute_launch(q, k, v, rk, rv, tb: ep.EngineTables, tr: PeerTransport,
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
     task, task_off = peer_staged_tasks(tb, sim["claims"], num_ctas)
     call, tabs = _staged_compute(tb, geom, sim, task, task_off, num_ctas, q, scale, interpret,
-                                 peer_axis=tr.axis_name)
+                                 peer_axis=tr.axis_name, warp_specialized=warp_specialized)
     if rank is None:
         rank = lax.axis_index(tr.axis_name)
     rank = jnp.full((1,), rank, jnp.int32)

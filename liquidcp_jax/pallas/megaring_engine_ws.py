@@ -134,12 +134,18 @@ WS_TABLES = ("rows", "off", "xins", "ins", "stream", "seg", "seg_off", "seg_loca
 @functools.lru_cache(maxsize=16)
 def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale: float,
           n_streams: int, map_size: int, n_seg: int, span: int, staged: bool = False,
-          interpret: bool = False, mcs: int = 2, profile_dir: str | None = None):
+          interpret: bool = False, mcs: int = 2, profile_dir: str | None = None,
+          peer_axis: str | None = None):
     """The forward compute launch (see the module docstring). Inputs: the :data:`WS_TABLES`, then
     fused ``q, k, v`` -> ``(out, rk, rv, state_o, state_lse, map)``; staged ``task, task_off, smap,
     q, k, v, rk, rv`` -> ``(out, state_o, state_lse)`` (as :mod:`megaring_engine`).
     ``profile_dir``: the profiler's trace of each launch goes there (:func:`profile_breakdown`;
-    not in the interpreter)."""
+    not in the interpreter). ``peer_axis`` (staged only): one rank per device, as
+    :func:`megaring_engine._build_forward`'s: the rank a ``(1,)`` int32 input after ``rv``, task
+    lists ``rank * K + c``, Q, K, V, receive buffers, output and state the rank's own rows, the
+    tables (segments, token codes) stacked."""
+    if peer_axis is not None and not staged:
+        raise ValueError("peer_axis: the staged launch only")
     dtype = jnp.dtype(dtype_name)
     B = _TILE
     G, C = (K if staged else P * K), n * B
@@ -152,7 +158,10 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
     def kernel(*refs):
         (rows_ref, off_ref, xins_ref, ins_ref, st_ref, seg_ref, seg_off_ref, seg_local_ref,
          tile_total_ref, rank_total_ref, slot_src_ref, code_ref, delay_ref) = refs[:13]
-        if staged:
+        if staged and peer_axis is not None:   # plus the device's rank, an input
+            (task_ref, task_off_ref, smap_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref, rank_ref,
+             out_ref, so_ref, sl_ref) = refs[13:]
+        elif staged:
             (task_ref, task_off_ref, smap_ref, q_ref, k_ref, v_ref, rk_ref, rv_ref,
              out_ref, so_ref, sl_ref) = refs[13:]
         else:
@@ -196,6 +205,8 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                 lrow = rk_j * C + b * B
                 rrow = (rk_j * R + rslot) * B
                 meta = jnp.where(local, lrow, slot_src_ref[rk_j * R + rslot])
+                if peer_axis is not None:   # this device's own K / V / receive rows
+                    lrow, rrow = b * B, rslot * B
                 return local, jnp.where(local, lrow, rrow), meta
 
             def issue(src, slot):
@@ -217,11 +228,13 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                 CTA's tiles ``cnt ..``, each once its ring slot is free). Table reads come
                 before the waits they do not depend on."""
                 seg = segment_of(j)
-                qrow0 = seg[0] * C + seg_ref[j, sf["q_tile"]] * B
+                qrow0 = seg[0] * C + seg_ref[j, sf["q_tile"]] * B   # stacked: the codes' row
+                lq0 = qrow0 if peer_axis is None else seg_ref[j, sf["q_tile"]] * B   # Q's row
                 pl.when(k > 0)(lambda: plgpu.barrier_wait(q_free))
                 for w in range(2):
                     rows = pl.ds(pl.multiple_of(qrow0 + w * _BQ, 8), _BQ)
-                    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem2.at[w], q_bar.at[w])
+                    lrows = pl.ds(pl.multiple_of(lq0 + w * _BQ, 8), _BQ)
+                    plgpu.copy_gmem_to_smem(q_ref.at[lrows], q_smem2.at[w], q_bar.at[w])
                     plgpu.copy_gmem_to_smem(code_ref.at[rows], qc_smem2.at[w], q_bar.at[w])
 
                 @pl.loop(c0, e0)
@@ -253,8 +266,9 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                         return k + 1, cnt + (e0 - c0)
 
                     z = jnp.int32(0)
+                    ci = c if peer_axis is None else rank_ref[0] * K + c
                     with jax.named_scope(FWD_FEED):
-                        k, cnt = lax.fori_loop(task_off_ref[c], task_off_ref[c + 1], run, (z, z))
+                        k, cnt = lax.fori_loop(task_off_ref[ci], task_off_ref[ci + 1], run, (z, z))
                 else:
                     is_worker = c < P * W
                     rank = jnp.where(is_worker, lax.rem(c, P), lax.rem(c - P * W, P))
@@ -375,7 +389,8 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
                     pl.when((wg == 0) & (m > 0))(lambda: plgpu.barrier_wait(turn.at[1]))
                     pl.when(wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
                     u = (rk_j * n + a) * 2 + wg
-                    drow = pl.multiple_of(rk_j * C + a * B + wg * _BQ, 8)
+                    drow = pl.multiple_of((0 if peer_axis is not None else rk_j * C)
+                                          + a * B + wg * _BQ, 8)   # peer: the rank's own rows
                     if staged:
                         prev = prev_s
                     else:
@@ -480,9 +495,10 @@ def build(P: int, W: int, K: int, n: int, R: int, D: int, dtype_name: str, scale
             plgpu.Barrier(num_arrivals=2),                            # sched (interpreter)
             collective_axes="wg")
 
-    state = (jax.ShapeDtypeStruct((P * C, D), jnp.float32), jax.ShapeDtypeStruct((P * C,), jnp.float32))
+    rows = P * C if peer_axis is None else C   # peer: the device's own rows
+    state = (jax.ShapeDtypeStruct((rows, D), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32))
     if staged:
-        out_type = (jax.ShapeDtypeStruct((P * C, D), dtype),) + state
+        out_type = (jax.ShapeDtypeStruct((rows, D), dtype),) + state
     else:
         recv = jax.ShapeDtypeStruct((max(P * R * B, B), D), dtype)
         out_type = ((jax.ShapeDtypeStruct((P * C, D), dtype), recv, recv) + state
