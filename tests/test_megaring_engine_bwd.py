@@ -11,6 +11,7 @@ from liquidcp_jax.megaring.layout import build_layout
 from liquidcp_jax.pallas import megaring_engine as me
 from liquidcp_jax.pallas import megaring_engine_bwd as mb
 from liquidcp_jax.pallas import megaring_transport as mt
+from liquidcp_jax.pallas.megaring_engine_ws import token_codes
 
 # (lengths, starts, sizes, P, B): P = 2 with tiles of 64 (one key / query half), P = 4 with tiles
 # of 128 (two halves); sequences of 40 and 5 tokens are shorter than a tile. Plan 3 (tiles of
@@ -300,6 +301,40 @@ def test_ws_backward_lowers_for_sm90(d, dtype, causal):
         assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 1
 
 
+def _ws_task(row, ent, code, span, causal, qside, kv, kv0, grads, H=64, scale=0.3):
+    """One task of the three-warpgroup backward's tables in NumPy, as the kernel reads it: keys
+    ``kv = (k, v)`` rows ``kv0 ..`` (two 64-key halves), the task's entries (64-query halves of
+    ``qside = (q, do, lse, delta)``), masks from the token ``code`` s (the first ``ent_full``
+    entries unmasked), reduce-adds into ``grads = (dq, dk, dv)`` (dK / dV at the task's
+    ``owner_row``). Returns the entries' halves run without a mask."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    w, (q, do, lse, delta), (k, v), (dq, dk, dv) = bw.WT, qside, kv, grads
+    n_full = 0
+    for hk in range(2):
+        kr = kv0 + hk * H + np.arange(H)
+        own = row[w["owner_row"]] + hk * H + np.arange(H)
+        e0 = row[w["ent_start"]]
+        for e in range(e0, e0 + row[w["ent_count"]]):
+            qr0, sid = ent[e]
+            kd = code[row[w["code_row"]] + hk * H + np.arange(H)] - sid * span
+            kd = (np.where(kd >= 0, kd, np.iinfo(np.int32).max) if causal else
+                  np.where((kd >= 0) & (kd < span), 0, np.iinfo(np.int32).max))
+            for hq in range(2):
+                qr = qr0 + hq * H + np.arange(H)
+                qd = code[qr] - sid * span
+                hd = np.where((qd >= 0) & (qd < span), qd if causal else 0, -1)
+                full = e < e0 + row[w["ent_full"]]   # the kernel skips these entries' masks
+                m = (kd[None, :] <= hd[:, None]) | full
+                n_full += full
+                s = np.where(m, q[qr] @ k[kr].T * scale - lse[qr][:, None], 0)
+                p = np.where(m, np.exp(s), 0)
+                ds = np.where(m, p * (do[qr] @ v[kr].T - delta[qr][:, None]), 0)
+                dq[qr] += ds @ k[kr] * scale
+                dk[own] += ds.T @ q[qr] * scale
+                dv[own] += p.T @ do[qr]
+    return n_full
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("num_ctas", [None, 5])
 def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
@@ -337,30 +372,82 @@ def test_ws_tables_drive_exact_gradients(rng, causal, num_ctas):
     for row in t["task"].tolist():
         src = recv[row[w["kv_row"]]] if row[w["remote"]] else row[w["kv_row"]]
         assert src == row[w["code_row"]] == row[w["owner_row"]]
-        for hk in range(2):
-            kr = src + hk * H + np.arange(H)
-            e0 = row[w["ent_start"]]
-            for e in range(e0, e0 + row[w["ent_count"]]):
-                qr0, sid = t["ent"][e]
-                kd = code[row[w["code_row"]] + hk * H + np.arange(H)] - sid * span
-                kd = (np.where(kd >= 0, kd, np.iinfo(np.int32).max) if causal else
-                      np.where((kd >= 0) & (kd < span), 0, np.iinfo(np.int32).max))
-                for hq in range(2):
-                    qr = qr0 + hq * H + np.arange(H)
-                    qd = code[qr] - sid * span
-                    hd = np.where((qd >= 0) & (qd < span), qd if causal else 0, -1)
-                    # the kernel skips the mask of a task's first ent_full entries
-                    m = (kd[None, :] <= hd[:, None]) | (e < e0 + row[w["ent_full"]])
-                    n_full += e < e0 + row[w["ent_full"]]
-                    s = np.where(m, q[qr] @ k[kr].T * 0.3 - lse[qr][:, None], 0)
-                    p = np.where(m, np.exp(s), 0)
-                    ds = np.where(m, p * (do[qr] @ v[kr].T - delta[qr][:, None]), 0)
-                    dq[qr] += ds @ k[kr] * 0.3
-                    dk[kr] += ds.T @ q[qr] * 0.3
-                    dv[kr] += p.T @ do[qr]
+        n_full += _ws_task(row, t["ent"], code, span, causal, (q, do, lse, delta), (k, v),
+                           src, (dq, dk, dv))
     for a, b in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
     assert n_full > 0   # the plan has full entries (their masks skipped, the gradients exact)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_peer_ws_tables_drive_exact_gradients(rng, causal):
+    """``peer_ws_tables``: each rank's tables, run in NumPy as the kernel reads them on the
+    rank's own arrays (Q / K / V / dO rows, its receive buffer, its code pool ``[C + Rb]``),
+    then the dK / dV parts of received tiles returned to their owners as ``peer_return``
+    does (ranks ``d ^ t``, slots from ``step_base[t]``): float64 gradients equal the
+    reference, every valid pair once."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    tb, g = plan(3, causal)
+    tr = mt.PeerTransport(g, "cp")
+    t = bw.peer_ws_tables(tb, tr)
+    P, C, B, H = g.num_ranks, g.rows, g.tile_size, 64
+    Rb = max(g.recv_tiles, 1) * B
+    assert t["code"].shape == (P, C + Rb) and t["task_off"].shape == (P, 2)
+    q, k, v, do = (rng.standard_normal((P * C, 8)) for _ in range(4))
+    o, lse, dq_ref, dk_ref, dv_ref = eb.reference_grads(tb, q, k, v, do, 0.3)
+    _, span = token_codes(tb.tok_seq, tb.tok_pos)
+    xrows, _, _ = me.transfer_lists(tb, g)
+    delta = (do * o).sum(1)
+    w = bw.WT
+    assert any(t["task"][d, :t["task_off"][d, 1], w["remote"]].any() for d in range(P))
+    dq = np.zeros_like(q)
+    part_k, part_v = np.zeros((P, C + Rb, 8)), np.zeros((P, C + Rb, 8))
+    for d in range(P):
+        mine = slice(d * C, (d + 1) * C)
+        ql, kl, vl, dol, ll, dl = q[mine], k[mine], v[mine], do[mine], lse[mine], delta[mine]
+        rk, rv = np.zeros((Rb, 8)), np.zeros((Rb, 8))
+        for src, dst in xrows.tolist():   # the emulated receive rows of rank d
+            x = dst - d * g.recv_tiles * B
+            if 0 <= x < g.recv_tiles * B:
+                rk[x:x + B], rv[x:x + B] = k[src:src + B], v[src:src + B]
+        dql = np.zeros((C, 8))
+        for row in t["task"][d, :t["task_off"][d, 1]].tolist():
+            _ws_task(row, t["ent"][d], t["code"][d], span, causal, (ql, dol, ll, dl),
+                     (rk, rv) if row[w["remote"]] else (kl, vl), row[w["kv_row"]],
+                     (dql, part_k[d], part_v[d]))
+        dq[mine] = dql
+    dk, dv = (np.concatenate([x[d, :C] for d in range(P)]) for x in (part_k, part_v))
+    for step in range(1, g.steps):   # peer_return: slots of step t back to rank d ^ t
+        n, b0 = g.send_tiles[step - 1] * B, C + int(g.step_base[step]) * B
+        for d in range(P):
+            dk[d * C:d * C + n] += part_k[d ^ step, b0:b0 + n]
+            dv[d * C:d * C + n] += part_v[d ^ step, b0:b0 + n]
+    for a, b in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+
+
+def test_peer_backward_ws_input_checks():
+    """``peer_backward_ws`` names what is wrong: the rank's arrays, its receive buffers, tiles
+    the kernel cannot run, ``num_ctas``."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    for i, bad in ((3, None), (0, "tiles")):   # PLANS[0] has tiles of 64
+        tb, g = plan(i)
+        tr = mt.PeerTransport(g, "cp")
+        C, Rb = g.rows, max(g.recv_tiles, 1) * g.tile_size
+        x, lse = jnp.zeros((C, 128), jnp.bfloat16), jnp.zeros((C,), jnp.float32)
+        r = jnp.zeros((Rb, 128), jnp.bfloat16)
+        run = lambda *a, n=4, tr=tr, tb=tb: bw.peer_backward_ws(*a, {}, tb, tr, scale=0.1,  # noqa: E731
+                                                               num_ctas=n)
+        if bad == "tiles":
+            with pytest.raises(ValueError, match="needs tiles of 128"):
+                run(x, x, x, x, lse, x, r, r)
+            continue
+        with pytest.raises(ValueError, match="q, k, v, out, do must be the rank's"):
+            run(x[:64], x, x, x, lse, x, r, r)
+        with pytest.raises(ValueError, match="receive buffers"):
+            run(x, x, x, x, lse, x, r[:64], r)
+        with pytest.raises(ValueError, match="num_ctas must be an int"):
+            run(x, x, x, x, lse, x, r, r, n=0)
 
 
 def test_ws_rank_tables_select_queues_and_lower():

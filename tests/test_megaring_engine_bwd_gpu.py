@@ -162,3 +162,43 @@ def test_ws_backward_rank_subsets_sum_to_the_whole(rng):
         for acc, x in zip(total, got):
             acc += x
     check_grads(tb, tuple(jnp.asarray(x) for x in total), ref, 2e-2)
+
+
+@pytest.mark.parametrize("plan", range(len(WS_PLANS)))
+def test_peer_ws_backward_matches_float64(rng, plan):
+    """The real mesh's backward on three warpgroups (``peer_backward_ws``): each rank's launch on
+    its own rows, receive buffers and tables (it reads and reduce-adds local memory only, so it
+    runs here one rank at a time), then the received tiles' dK / dV returned to their owners as
+    ``peer_return``'s ppermutes do (rank ``d ^ t``, slots from ``step_base[t]``): relative error
+    < 2e-2 per gradient, padding rows 0, after a run on NaN dO."""
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bw
+    from liquidcp_jax.pallas import megaring_transport as mt
+    _, tb, g = _plan(*WS_PLANS[plan], 2)
+    n, C, B, d = g.num_ranks, g.rows, g.tile_size, 128
+    q, k, v, do = (jnp.asarray(rng.standard_normal((n * C, d)), jnp.bfloat16) for _ in range(4))
+    ref = ref_grads_by_sequence(tb, q, k, v, do, d ** -0.5)
+    out = jnp.asarray(ref[0], jnp.bfloat16)
+    lse = jnp.asarray(ref[1], jnp.float32)
+    rk, rv = (me.transfer_launch(x, tb, g) for x in (k, v))
+    tr = mt.PeerTransport(g, "cp")
+    tabs = bw.peer_ws_tables(tb, tr)
+    split = lambda x: jnp.split(x, n)  # noqa: E731
+
+    def run(dO):
+        parts = [bw.peer_backward_ws(*a, {f: x[r] for f, x in tabs.items()}, tb, tr,
+                                     scale=d ** -0.5, num_ctas=16)
+                 for r, a in enumerate(zip(*map(split, (q, k, v, out, lse, dO, rk, rv))))]
+        dq = jnp.concatenate([p[0] for p in parts])
+        grads = []
+        for i in (1, 2):   # peer_return on the host: step t's slots back to rank d ^ t
+            ext = [np.asarray(p[i]) for p in parts]
+            own = [x[:C].copy() for x in ext]
+            for t in range(1, g.steps):
+                m, b0 = g.send_tiles[t - 1] * B, C + int(g.step_base[t]) * B
+                for r in range(n):
+                    own[r][:m] += ext[r ^ t][b0:b0 + m]
+            grads.append(jnp.asarray(np.concatenate(own), jnp.bfloat16))
+        return (dq, *grads)
+
+    jax.block_until_ready(run(do * jnp.nan))   # poison
+    check_grads(tb, run(do), ref, 2e-2)

@@ -285,12 +285,14 @@ def test_engine_backend_lowers_on_8_devices(mesh8, rng):
     assert txt.count("all_reduce") == 1
 
 
-def test_engine_backend_gradient_lowers(mesh8):
+@pytest.mark.parametrize("B", [64, 128])
+def test_engine_backend_gradient_lowers(mesh8, B, mosaic_modules):
     """jax.grad through the engine backend (4 devices, GQA 2:1) lowers for sm_90a: the forward's
     launches (K / V transfers, two compute), the backward's compute launch per query head, the
     fence's psum and the ppermutes returning received tiles' dK / dV to their owners (one per
-    exchange step for each of dK, dV)."""
-    plan = lcp.plan_megaring([900, 300, 1500], _mesh(4), placement="all_cp", tile_size=64)
+    exchange step for each of dK, dV). Tiles of 128: both compute launches on three warpgroups
+    (``peer_compute_launch``, ``peer_backward_ws``: 384 threads), 64: on one (128)."""
+    plan = lcp.plan_megaring([900, 300, 1500], _mesh(4), placement="all_cp", tile_size=B)
     steps = plan.static.capacity.steps
     assert steps == 4
     x = jax.ShapeDtypeStruct((plan.cp_tokens, 2, 64), jnp.bfloat16, sharding=plan.head_sharding)
@@ -302,6 +304,10 @@ def test_engine_backend_gradient_lowers(mesh8):
     assert sum("custom_call @mosaic_gpu" in line for line in txt.splitlines()) == 2 + 2 + 2
     assert txt.count("all_reduce") == 1
     assert txt.count("collective_permute") == 2 * (steps - 1)
+    threads = [re.search(r"threads\([^)]*\) in \(%\w+ = %c(\d+),", m).group(1)
+               for m in mosaic_modules]
+    # each distinct kernel lowers once: the transfer, the forward's and the backward's compute
+    assert threads.count("384") == (2 if B == 128 else 0) and "128" in threads
 
 
 # ----------------------------------------------------------------------------- backward

@@ -299,8 +299,10 @@ def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int
     owners through ``remote_ref``), one ``peer_fence`` (psum over the CP axis) for all of them,
     then per query head the compute launch over the rank's own rows, ``num_ctas`` CTAs (default:
     the SM count), task lists from one protocol run without delays. Backward (the receive buffers
-    are residuals: no second transfer): per query head the staged backward's compute launch on
-    the rank's rows and receive slots (``peer_backward_rank``), dK / dV of the received tiles
+    are residuals: no second transfer): per query head a compute launch on the rank's rows and
+    receive slots (``megaring_engine_bwd_ws.peer_backward_ws``, three warpgroups claiming the
+    rank's queue, where that kernel can run: tiles of 128; else ``peer_backward_rank``, the
+    one-warpgroup staged kernel), dK / dV of the received tiles
     summed over the KV head's query heads and sent back to their owners by one ``ppermute`` per
     exchange step (``peer_return``). No kernel waits on another device, so nothing can deadlock;
     the order is the launch boundaries, Mosaic GPU's pre-launch device barrier and XLA's
@@ -308,10 +310,14 @@ def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int
     """
     from liquidcp_jax.pallas import megaring_engine as me
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     static = plan.static
     K = int(num_ctas or num_sms())
-    tb, tr, sim, tabs = _engine_host(plan, comm_per_rank, K)
+    tb, tr, sim, tabs, ws_tabs = _engine_host(plan, comm_per_rank, K)
+    ws_bwd = bws.unsupported(tr.geom.tile_size, int(q.shape[-1]), q.dtype) is None
+    backward_rank = bws.peer_backward_ws if ws_bwd else mb.peer_backward_rank
+    tabs = ws_tabs() if ws_bwd else tabs
     hq, hkv = q.shape[1], k.shape[1]
     grp = hq // hkv
     C, Rb = tr.geom.rows, max(tr.geom.recv_tiles, 1) * tr.geom.tile_size
@@ -339,7 +345,7 @@ def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int
         for j in range(hkv):
             dk = dv = jnp.zeros((C + Rb, q.shape[-1]), jnp.float32)
             for h in range(j * grp, (j + 1) * grp):
-                dq, dkh, dvh = mb.peer_backward_rank(
+                dq, dkh, dvh = backward_rank(
                     q[:, h], k[:, j], v[:, j], out[:, h], lse[:, h], do[:, h], rk[:, j],
                     rv[:, j], t, tb, tr, scale=scale, num_ctas=K)
                 dqs.append(dq)
@@ -376,11 +382,13 @@ _ENGINE_HOST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _engine_host(plan: MegaRingPlan, comm_per_rank: int, num_ctas: int):
     """The engine's host tables for ``plan`` (engine tables, peer transport, the protocol run the
-    staged task lists come from, the backward's tables), built once per plan (and worker / CTA
+    staged task lists come from, the one-warpgroup backward's tables, and a function giving the
+    three-warpgroup backward's, built on its first call), built once per plan (and worker / CTA
     counts) and kept while the plan lives: an eager training loop reusing a plan
     does not rebuild them every step."""
     from liquidcp_jax.megaring import engine_protocol as ep
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
+    from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
     from liquidcp_jax.pallas import megaring_transport as mt
     if getattr(plan, "layout", None) is None:
         ep.tables_from_plan(plan)   # raises its ValueError: the plan has no host layout
@@ -392,7 +400,14 @@ def _engine_host(plan: MegaRingPlan, comm_per_rank: int, num_ctas: int):
         tr = mt.PeerTransport(mt.RingGeometry.from_capacity(plan.capacity, static.num_devices),
                               static.axis_name)
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
-        per[key] = (tb, tr, sim, mb.peer_backward_tables(tb, tr, int(num_ctas)))
+        ws = []   # the three-warpgroup backward's tables, built on first use and kept
+
+        def ws_tables():
+            if not ws:
+                ws.append(bws.peer_ws_tables(tb, tr))
+            return ws[0]
+
+        per[key] = (tb, tr, sim, mb.peer_backward_tables(tb, tr, int(num_ctas)), ws_tables)
     return per[key]
 
 

@@ -22,6 +22,8 @@ exactly once.
 Two claim modes: *dynamic* (``ctas_per_rank``: CTA ``c`` serves rank ``c % P`` and claims its
 rank's next task by a fetch-add on the rank's queue counter) and *static* (``num_ctas``: lists
 per CTA, longest first to the least-loaded CTA, as :func:`megaring_engine_bwd.backward_lists`).
+On a real mesh (:func:`peer_backward_ws`) the same kernel claims one rank's queue on its own
+device, its tables' rows made the rank's own (:func:`peer_ws_tables`).
 
 Masks by per-token codes (:func:`megaring_engine_ws.token_codes`, ``seq * span + pos``): for an
 entry of sequence ``s`` a key's distance ``kd = code - s * span`` (``INT_MAX`` if negative: an
@@ -546,3 +548,96 @@ def use_ws(warp_specialized, geom: RingGeometry, q, interpret: bool = False) -> 
     return fwd_ws.choose(warp_specialized,
                          unsupported(geom.tile_size, int(q.shape[1]), q.dtype, interpret),
                          "backward")
+
+
+def peer_ws_tables(tb: ep.EngineTables, tr) -> dict:
+    """Host: the tables of :func:`peer_backward_ws` for every rank (one rank per device; NumPy,
+    stacked ``[P, ...]`` and zero-padded to the largest rank, for ``shard_map`` over
+    ``tr.axis_name``). The kernel is :func:`build`'s with dynamic claims on one queue, unchanged:
+    only its rows become the rank's own (as :func:`megaring_engine_bwd.peer_backward_tables`
+    does for the one-warpgroup kernel). Each rank's tasks are its queue of :func:`ws_tables`
+    (longest first, full entries first), with: K / V rows ``b * B`` (own tile) or ``slot * B``
+    (its receive buffer), entries' Q rows ``a * B``, token codes and dK / dV rows in the rank's
+    *pool* ``[C + Rb]`` (its own rows, then its receive slots: the owners' codes; dK / dV parts
+    that :func:`megaring_engine_bwd.peer_return` sends back). Fields: ``task [P, T, WT]``,
+    ``task_off [P, 2]`` (one queue), ``ent [P, E, 2]``, ``code [P, C + Rb]`` (-1: padding,
+    no token)."""
+    geom = tr.geom
+    P, B, C = geom.num_ranks, geom.tile_size, geom.rows
+    Rb = max(geom.recv_tiles, 1) * B
+    t = ws_tables(eb.build_backward_tables(tb), geom, None)
+    code, _ = fwd_ws.token_codes(tb.tok_seq, tb.tok_pos)
+    off, w = t["task_off"], WT
+    per = []
+    for d in range(P):
+        pool = np.full(C + Rb, -1, np.int64)
+        pool[:C] = code[d * C:(d + 1) * C]
+        tasks, ents = [], []
+        for r in t["task"][off[d]:off[d + 1]].tolist():
+            if r[w["remote"]]:   # the emulated receive row (d * R + slot) * B -> slot * B
+                x = r[w["kv_row"]] - d * geom.recv_tiles * B
+                pool[C + x:C + x + B] = code[r[w["code_row"]]:r[w["code_row"]] + B]
+                kv, crow = x, C + x
+            else:
+                kv = crow = r[w["kv_row"]] - d * C
+            e0, ne = r[w["ent_start"]], r[w["ent_count"]]
+            ent = t["ent"][e0:e0 + ne].astype(np.int64)
+            ent[:, 0] -= d * C   # the rank's own Q tiles
+            if not ((0 <= kv < (Rb if r[w["remote"]] else C)) and (ent[:, 0] >= 0).all()
+                    and (ent[:, 0] < C).all()):
+                raise AssertionError(f"rank {d}: a task's rows are not the rank's own")
+            tasks.append((r[w["remote"]], kv, crow, len(ents), ne, crow, r[w["ent_full"]]))
+            ents.extend(ent.tolist())
+        per.append((tasks, ents, pool))
+    T = max(max(len(x[0]) for x in per), 1)
+    E = max(max(len(x[1]) for x in per), 1)
+    out = {"task": np.zeros((P, T, len(WT)), np.int32), "task_off": np.zeros((P, 2), np.int32),
+           "ent": np.zeros((P, E, 2), np.int32), "code": np.zeros((P, C + Rb), np.int32)}
+    for d, (tasks, ents, pool) in enumerate(per):
+        if tasks:
+            out["task"][d, :len(tasks)] = tasks
+        if ents:
+            out["ent"][d, :len(ents)] = ents
+        out["task_off"][d] = (0, len(tasks))
+        out["code"][d] = pool
+    return out
+
+
+def peer_backward_ws(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineTables, tr, *,
+                     scale: float, num_ctas: int):
+    """One rank's backward on three warpgroups (no communication; GPU only), the interface of
+    :func:`megaring_engine_bwd.peer_backward_rank`: ``q, k, v, out, do [C, D]``, ``lse [C]`` f32,
+    ``rk, rv [Rb, D]`` the rank's forward receive buffers, ``tabs`` the rank's slices of
+    :func:`peer_ws_tables` (``[0]`` of each field); ``num_ctas`` CTAs claim the rank's queue.
+    Returns ``dq [C, D]`` (``q.dtype``) and f32 ``dk, dv [C + Rb, D]`` (rows ``< C`` the rank's
+    own tiles, rows ``C + slot * B ..`` the received tiles' parts for
+    :func:`megaring_engine_bwd.peer_return`). Reads and reduce-adds local memory only."""
+    geom = tr.geom
+    C, B = geom.rows, geom.tile_size
+    Rb = max(geom.recv_tiles, 1) * B
+    if not (q.ndim == 2 and q.shape[0] == C and all(x.shape == q.shape for x in (k, v, out, do))):
+        raise ValueError(f"q, k, v, out, do must be the rank's [C = {C}, D]; got {q.shape}, "
+                         f"{k.shape}, {v.shape}, {out.shape}, {do.shape}")
+    if rk.shape != (Rb, q.shape[1]) or rv.shape != rk.shape:
+        raise ValueError(f"rk, rv must be the rank's receive buffers {(Rb, q.shape[1])}; got "
+                         f"{rk.shape}, {rv.shape}")
+    why = unsupported(B, int(q.shape[1]), q.dtype)
+    if why is not None:
+        raise ValueError(f"tr / q: the three-warpgroup backward needs {why}")
+    if isinstance(num_ctas, bool) or int(num_ctas) != num_ctas or int(num_ctas) < 1:
+        raise ValueError(f"num_ctas must be an int >= 1; got {num_ctas!r}")
+    tabs = {name: jnp.asarray(x) for name, x in tabs.items()}
+    valid = tabs["code"][:C] >= 0
+    f32 = lambda x: jnp.where(valid[:, None], x.astype(jnp.float32), 0.0)  # noqa: E731
+    do_ = f32(do)   # as megaring_engine_bwd.prepare, on the rank's rows
+    delta = jnp.sum(do_ * f32(out), axis=1)
+    lse2 = jnp.where(valid & jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, 0.0)
+    acc = [jax.new_ref(jnp.zeros((n, q.shape[1]), jnp.float32)) for n in (C, C + Rb, C + Rb)]
+    _, span = fwd_ws.token_codes(tb.tok_seq, tb.tok_pos)
+    # full entries may be anywhere in the mesh: the unmasked loop is always built (one kernel)
+    call = build(int(num_ctas), 1, q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal),
+                 float(scale), span, True, skip_full=True)
+    call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["code"], q, k, v,
+         do_.astype(q.dtype), lse2, delta, rk, rv, *acc)
+    dq, dk, dv = (x[...] for x in acc)
+    return (dq * scale).astype(q.dtype), dk * scale, dv
