@@ -614,30 +614,20 @@ def peer_backward_ws(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineTab
     :func:`megaring_engine_bwd.peer_return`). Reads and reduce-adds local memory only."""
     geom = tr.geom
     C, B = geom.rows, geom.tile_size
-    Rb = max(geom.recv_tiles, 1) * B
-    if not (q.ndim == 2 and q.shape[0] == C and all(x.shape == q.shape for x in (k, v, out, do))):
-        raise ValueError(f"q, k, v, out, do must be the rank's [C = {C}, D]; got {q.shape}, "
-                         f"{k.shape}, {v.shape}, {out.shape}, {do.shape}")
-    if rk.shape != (Rb, q.shape[1]) or rv.shape != rk.shape:
-        raise ValueError(f"rk, rv must be the rank's receive buffers {(Rb, q.shape[1])}; got "
-                         f"{rk.shape}, {rv.shape}")
+    Rb = mbs.check_peer_rank(q, k, v, out, do, rk, rv, geom)
     why = unsupported(B, int(q.shape[1]), q.dtype)
     if why is not None:
         raise ValueError(f"tr / q: the three-warpgroup backward needs {why}")
     if isinstance(num_ctas, bool) or int(num_ctas) != num_ctas or int(num_ctas) < 1:
         raise ValueError(f"num_ctas must be an int >= 1; got {num_ctas!r}")
     tabs = {name: jnp.asarray(x) for name, x in tabs.items()}
-    valid = tabs["code"][:C] >= 0
-    f32 = lambda x: jnp.where(valid[:, None], x.astype(jnp.float32), 0.0)  # noqa: E731
-    do_ = f32(do)   # as megaring_engine_bwd.prepare, on the rank's rows
-    delta = jnp.sum(do_ * f32(out), axis=1)
-    lse2 = jnp.where(valid & jnp.isfinite(lse), lse.astype(jnp.float32) * LOG2E, 0.0)
+    do_, delta, lse2 = mbs.prepare_rows(out, lse, do, tabs["code"][:C] >= 0)
     acc = [jax.new_ref(jnp.zeros((n, q.shape[1]), jnp.float32)) for n in (C, C + Rb, C + Rb)]
     _, span = fwd_ws.token_codes(tb.tok_seq, tb.tok_pos)
     # full entries may be anywhere in the mesh: the unmasked loop is always built (one kernel)
     call = build(int(num_ctas), 1, q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal),
                  float(scale), span, True, skip_full=True)
-    call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["code"], q, k, v,
-         do_.astype(q.dtype), lse2, delta, rk, rv, *acc)
+    call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["code"], q, k, v, do_, lse2, delta,
+         rk, rv, *acc)
     dq, dk, dv = (x[...] for x in acc)
     return (dq * scale).astype(q.dtype), dk * scale, dv
