@@ -446,6 +446,10 @@ def test_peer_backward_ws_input_checks():
             run(x[:64], x, x, x, lse, x, r, r)
         with pytest.raises(ValueError, match="receive buffers"):
             run(x, x, x, x, lse, x, r[:64], r)
+        with pytest.raises(ValueError, match="lse must be the rank's"):
+            run(x, x, x, x, lse[:64], x, r, r)
+        with pytest.raises(ValueError, match="must have q's dtype"):
+            run(x, x, x, x, lse, x, r.astype(jnp.float16), r)
         with pytest.raises(ValueError, match="num_ctas must be an int"):
             run(x, x, x, x, lse, x, r, r, n=0)
 

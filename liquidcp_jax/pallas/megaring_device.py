@@ -84,7 +84,8 @@ def relay_pipelined(i0, i1, B: int, rows_ref, delay_ref, xins_ref, kv, recv, buf
     barriers (``2 * stage + {0: K, 1: V}``). Transfer ``i + 1`` loads while transfer ``i`` is
     stored and inserted (its loads' latency off the relay's critical path); the inserts stay in
     host order. A stage is reloaded only after its previous store was waited for (before that
-    transfer's insert)."""
+    transfer's insert). A transfer's injected delay runs before its loads, so while transfer
+    ``i`` is stored and inserted."""
     def load(i, s):
         pl.when(delay_ref[i] > 0)(lambda: pl.delay(delay_ref[i]))
         src = pl.multiple_of(rows_ref[i, 0], 8)

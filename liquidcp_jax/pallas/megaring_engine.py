@@ -841,8 +841,8 @@ def forward_staged(q, k, v, tb: ep.EngineTables, geom: RingGeometry, *, scale: f
     deadlock). GPU only (the interpreter cannot run ``remote_ref``).
 
     ``profile_dir`` (emulated ranks, GPU): the compute launch's profile, as :func:`forward_launch`'s.
-    ``warp_specialized`` (emulated ranks): the three-warpgroup compute launch, as there (the peer
-    transport runs the one-warpgroup launch)."""
+    ``warp_specialized``: the three-warpgroup compute launch (None: where it can run), on
+    emulated ranks as there and with the peer transport (:func:`peer_compute_launch`)."""
     if isinstance(transport, PeerTransport):
         return _forward_staged_peer(q, k, v, tb, transport, scale=scale, num_ctas=num_ctas, sim=sim,
                                     warp_specialized=warp_specialized)

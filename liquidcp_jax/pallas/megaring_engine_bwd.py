@@ -503,14 +503,14 @@ def peer_backward_rank(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineT
     :func:`peer_return` sends back to their owners."""
     geom = tr.geom
     C, B = geom.rows, geom.tile_size
-    Rb = check_peer_rank(q, k, v, out, do, rk, rv, geom)
+    Rb = check_peer_rank(q, k, v, out, lse, do, rk, rv, geom)
     tabs = {name: jnp.asarray(x) for name, x in tabs.items()}
     do_, delta, lse2 = prepare_rows(out, lse, do, tabs["seq"][:C] >= 0)
     n_ent, n_task = tabs["ent"].shape[0], tabs["task"].shape[0]
     call = _build_backward(int(num_ctas), B, int(q.shape[1]), jnp.dtype(q.dtype).name, n_ent,
                            n_task, bool(tb.causal), float(scale), bool(interpret))
     dqp, dkp, dvp = call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["seq"], tabs["pos"],
-                         q, k, v, do_, lse2, delta, rk, rv)
+                         q, k, v, do_.astype(q.dtype), lse2, delta, rk, rv)
     seg = lambda x, idx, n: jax.ops.segment_sum(x[:idx.shape[0]], idx, n)  # noqa: E731
     dq = seg(dqp, tabs["dq_idx"], C) * scale
     dk = seg(dkp, tabs["dkv_idx"], C + Rb) * scale
@@ -518,17 +518,23 @@ def peer_backward_rank(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineT
     return dq.astype(q.dtype), dk, dv
 
 
-def check_peer_rank(q, k, v, out, do, rk, rv, geom) -> int:
-    """A rank's backward inputs on a real mesh (``[C, D]`` rows, ``[Rb, D]`` receive buffers),
-    or a ValueError naming them. Returns ``Rb``."""
+def check_peer_rank(q, k, v, out, lse, do, rk, rv, geom) -> int:
+    """A rank's backward inputs on a real mesh (``[C, D]`` rows, ``lse [C]``, ``[Rb, D]`` receive
+    buffers; K, V and the buffers in ``q``'s dtype, what the kernel reads), or a ValueError
+    naming them. Returns ``Rb``."""
     C = geom.rows
     Rb = max(geom.recv_tiles, 1) * geom.tile_size
     if not (q.ndim == 2 and q.shape[0] == C and all(x.shape == q.shape for x in (k, v, out, do))):
         raise ValueError(f"q, k, v, out, do must be the rank's [C = {C}, D]; got {q.shape}, "
                          f"{k.shape}, {v.shape}, {out.shape}, {do.shape}")
+    if lse.shape != (C,):
+        raise ValueError(f"lse must be the rank's [C = {C}]; got {lse.shape}")
     if rk.shape != (Rb, q.shape[1]) or rv.shape != rk.shape:
         raise ValueError(f"rk, rv must be the rank's receive buffers {(Rb, q.shape[1])}; got "
                          f"{rk.shape}, {rv.shape}")
+    if any(x.dtype != q.dtype for x in (k, v, rk, rv)):
+        raise ValueError(f"k, v, rk, rv must have q's dtype {q.dtype}; got {k.dtype}, {v.dtype}, "
+                         f"{rk.dtype}, {rv.dtype}")
     return Rb
 
 

@@ -614,7 +614,7 @@ def peer_backward_ws(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineTab
     :func:`megaring_engine_bwd.peer_return`). Reads and reduce-adds local memory only."""
     geom = tr.geom
     C, B = geom.rows, geom.tile_size
-    Rb = mbs.check_peer_rank(q, k, v, out, do, rk, rv, geom)
+    Rb = mbs.check_peer_rank(q, k, v, out, lse, do, rk, rv, geom)
     why = unsupported(B, int(q.shape[1]), q.dtype)
     if why is not None:
         raise ValueError(f"tr / q: the three-warpgroup backward needs {why}")
@@ -627,7 +627,7 @@ def peer_backward_ws(q, k, v, out, lse, do, rk, rv, tabs: dict, tb: ep.EngineTab
     # full entries may be anywhere in the mesh: the unmasked loop is always built (one kernel)
     call = build(int(num_ctas), 1, q.shape[1], jnp.dtype(q.dtype).name, bool(tb.causal),
                  float(scale), span, True, skip_full=True)
-    call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["code"], q, k, v, do_, lse2, delta,
-         rk, rv, *acc)
+    call(tabs["task"], tabs["task_off"], tabs["ent"], tabs["code"], q, k, v, do_.astype(q.dtype),
+         lse2, delta, rk, rv, *acc)
     dq, dk, dv = (x[...] for x in acc)
     return (dq * scale).astype(q.dtype), dk * scale, dv
