@@ -369,6 +369,8 @@ def test_engine_host_tables_built_once_per_plan(monkeypatch):
     plan = lcp.plan_megaring([900, 300, 1500], mesh, placement="all_cp", tile_size=64)
     first = mops._engine_host(plan, 2, 4)
     assert mops._engine_host(plan, 2, 4) is first and len(builds) == 1
+    tabs = first[-1](False)   # the backward's tables: built on first use, then kept
+    assert first[-1](False) is tabs and "seq" in tabs
     assert mops._engine_host(plan, 2, 8) is not first and len(builds) == 2
     other = lcp.plan_megaring([900, 300, 1500], mesh, placement="all_cp", tile_size=64)
     mops._engine_host(other, 2, 4)

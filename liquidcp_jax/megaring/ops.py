@@ -314,10 +314,10 @@ def engine_attention(q, k, v, plan: MegaRingPlan, *, scale: float, num_ctas: int
     from liquidcp_jax.pallas.tile_attention_fwd_persistent import num_sms
     static = plan.static
     K = int(num_ctas or num_sms())
-    tb, tr, sim, tabs, ws_tabs = _engine_host(plan, comm_per_rank, K)
+    tb, tr, sim, backward_tables = _engine_host(plan, comm_per_rank, K)
     ws_bwd = bws.unsupported(tr.geom.tile_size, int(q.shape[-1]), q.dtype) is None
     backward_rank = bws.peer_backward_ws if ws_bwd else mb.peer_backward_rank
-    tabs = ws_tabs() if ws_bwd else tabs
+    tabs = backward_tables(ws_bwd)
     hq, hkv = q.shape[1], k.shape[1]
     grp = hq // hkv
     C, Rb = tr.geom.rows, max(tr.geom.recv_tiles, 1) * tr.geom.tile_size
@@ -381,11 +381,11 @@ _ENGINE_HOST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _engine_host(plan: MegaRingPlan, comm_per_rank: int, num_ctas: int):
-    """The engine's host tables for ``plan`` (engine tables, peer transport, the protocol run the
-    staged task lists come from, the one-warpgroup backward's tables, and a function giving the
-    three-warpgroup backward's, built on its first call), built once per plan (and worker / CTA
-    counts) and kept while the plan lives: an eager training loop reusing a plan
-    does not rebuild them every step."""
+    """The engine's host tables for ``plan``: ``(engine tables, peer transport, the protocol run
+    the staged task lists come from, backward_tables)``, built once per plan (and worker / CTA
+    counts) and kept while the plan lives: an eager training loop reusing a plan does not
+    rebuild them every step. ``backward_tables(ws)``: the three-warpgroup backward's tables
+    (``ws``) or the one-warpgroup one's, each built on its first use and kept."""
     from liquidcp_jax.megaring import engine_protocol as ep
     from liquidcp_jax.pallas import megaring_engine_bwd as mb
     from liquidcp_jax.pallas import megaring_engine_bwd_ws as bws
@@ -400,14 +400,15 @@ def _engine_host(plan: MegaRingPlan, comm_per_rank: int, num_ctas: int):
         tr = mt.PeerTransport(mt.RingGeometry.from_capacity(plan.capacity, static.num_devices),
                               static.axis_name)
         sim = ep.simulate(tb, ep.SimConfig(delay="none", ctas_per_rank=2))
-        ws = []   # the three-warpgroup backward's tables, built on first use and kept
+        built = {}
 
-        def ws_tables():
-            if not ws:
-                ws.append(bws.peer_ws_tables(tb, tr))
-            return ws[0]
+        def backward_tables(ws: bool) -> dict:
+            if ws not in built:
+                built[ws] = (bws.peer_ws_tables(tb, tr) if ws else
+                             mb.peer_backward_tables(tb, tr, int(num_ctas)))
+            return built[ws]
 
-        per[key] = (tb, tr, sim, mb.peer_backward_tables(tb, tr, int(num_ctas)), ws_tables)
+        per[key] = (tb, tr, sim, backward_tables)
     return per[key]
 
 
