@@ -46,7 +46,8 @@ transfers before any compute launch and keeps each rank's K / V alive while peer
 compute launch (:func:`peer_compute_launch`) is the staged one over local rows (the rank an
 input, no peer memory), on three warpgroups (:mod:`megaring_engine_ws`) where that kernel can
 run, as on emulated ranks. The backward: ``megaring_engine_bwd_ws.peer_backward_ws`` (three
-warpgroups) or ``megaring_engine_bwd.peer_backward_rank``, then ``peer_return``. Lowered for sm_90a on the CPU; never run on GPUs.
+warpgroups) or ``megaring_engine_bwd.peer_backward_rank``, then ``peer_return``. Lowered for
+sm_90a on the CPU; never run on several GPUs.
 
 Status: the fused and staged forward pass their GPU tests on emulated ranks (float64
 reference, pairs counted through the LSE with zero queries, perturbed arrival orders); the
